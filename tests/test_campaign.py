@@ -1339,3 +1339,24 @@ def test_a_replay_files_home_skips_a_fifo_folder_or_dangling_link_of_its_name(tm
     if t.is_alive():
         os.close(os.open(tmp_path / "findings" / "a.json", os.O_WRONLY | os.O_NONBLOCK))
     assert got[1:] == [({}, [f"1 file(s) in {tmp_path}/findings are not replay files, skipped: a.json"])]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_is_named_at_the_end(tmp_path):
+    """tester tf63: a worker SIGKILLed mid-run (the OOM killer) went unsaid: the run ended as "2 worker(s)", clean,
+    having searched with one. The end names it and how it ended; the exit code is the search's own."""
+    corpus = str(tmp_path / "corpus")
+    env = {**plain_env(), "KVAUDIT_TEST_CORPUS": corpus}  # marks this test's worker processes
+    proc = subprocess.Popen([kvaudit_script(), "fuzz", "--preset", "retract", "--fuzzer", "random", "--max-time", "8",
+                             "--workers", "2", "--corpus", corpus], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert _wait_for(lambda: len(_workers_of(corpus)) == 2, 60, proc), "no two workers within 60 s"
+        time.sleep(1)
+        os.kill(max(_workers_of(corpus)), signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (out, err)
+    assert re.search(r"warning: worker [01] ended by SIGKILL mid-run: the campaign searched on with 1 of 2 workers",
+                     err), err

@@ -621,7 +621,8 @@ def sigint_ignored_at_birth():
 
 def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
     """One spawned process per spec, its messages handed to ``handle`` until each says done or all are gone;
-    then they are stopped (SIGTERM: a worker in triage writes its finding first; SIGKILL after 5 s)."""
+    then they are stopped (SIGTERM: a worker in triage writes its finding first; SIGKILL after 5 s). A worker gone
+    without saying done (killed: the OOM killer) is named in a ``warning`` message."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker_main, args=(s, q), daemon=True) for s in specs]
@@ -629,7 +630,7 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
         for p in procs:
             p.start()
     try:
-        running = len(procs)
+        running, done = len(procs), set()
         while running:
             try:
                 msg = q.get(timeout=0.5)
@@ -639,7 +640,12 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
                 continue
             if msg[0] == "done":
                 running -= 1
+                done.add(msg[1])
             handle(msg)
+        gone = [(s.index, p.exitcode) for s, p in zip(specs, procs) if s.index not in done]
+        for index, code in gone:
+            handle(("warning", index, f"worker {index} ended {_ended(code)} mid-run: the campaign searched on with "
+                                      f"{len(procs) - len(gone)} of {len(procs)} workers"))
     finally:
         if not running:  # every worker said done: let them exit on their own first
             for p in procs:
@@ -653,6 +659,16 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
                 p.kill()
                 p.join(timeout=5)
         _drain(q, handle)
+
+
+def _ended(exitcode: int | None) -> str:
+    """How a process ended, from its ``exitcode`` (negative: the signal's number)."""
+    if exitcode is None or exitcode >= 0:
+        return f"with exit code {exitcode}"
+    try:
+        return f"by {signal.Signals(-exitcode).name}"
+    except ValueError:  # (a number Python has no name for)
+        return f"by signal {-exitcode}"
 
 
 # what a worker says of its findings, read after the workers stopped (what else they said then is moot)
