@@ -246,6 +246,23 @@ def test_ci_does_not_count_another_target_kinds_files_as_known_still_open(tmp_pa
     assert json.load(open(tmp_path / "s.sarif"))["runs"][0]["results"] == []
 
 
+def test_ci_counts_a_suppression_that_leaves_out_a_known_finding_still_open(tmp_path):
+    """tester tf63: `ci --corpus --suppress` replays the corpus's known findings under the rules, and one a rule
+    left out was gone from the SARIF and the "known still open" count, yet the rules table said the rule matched
+    nothing ("1 suppression(s) matched nothing"): a rule in use, flagged for deletion."""
+    corpus = tmp_path / "c"
+    (corpus / "retract" / "findings").mkdir(parents=True)
+    shutil.copy(os.path.join(REGRESSIONS, "retract-unaligned-page.json"), corpus / "retract" / "findings")
+    (tmp_path / "s.toml").write_text('[[suppress]]\nkind = "leak"\nreason = "known"\n')
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "1", "--presets", "retract", "--regressions", str(empty), "--corpus", str(corpus),
+               "--suppress", str(tmp_path / "s.toml"), "--sarif", str(tmp_path / "s.sarif"))
+    assert r.exit_code == 0, r.output
+    assert json.load(open(tmp_path / "s.sarif"))["runs"][0]["results"] == []  # left out of the open ones
+    assert "matched nothing" not in r.output, r.output
+    assert re.search(r"1 +leak +\(any\) +\(any\) +known +1 +[1-9]", r.output), r.output
+
 def test_a_signature_another_process_sharing_the_corpus_wrote_meanwhile_is_known(tmp_path, monkeypatch):
     """tester 61b: of two `fuzz --corpus DIR` sharing DIR, the slower confirmed and minimized the signatures the
     other wrote meanwhile, then said '0 new, 0 known signature(s)' and recorded neither."""
