@@ -263,6 +263,17 @@ def test_ci_counts_a_suppression_that_leaves_out_a_known_finding_still_open(tmp_
     assert "matched nothing" not in r.output, r.output
     assert re.search(r"1 +leak +\(any\) +\(any\) +known +1 +[1-9]", r.output), r.output
 
+@pytest.mark.skipif(not os.path.isdir("/sys/fs"), reason="wants a directory nobody can write in, root included")
+def test_ci_refuses_a_corpus_it_cannot_write_in_before_it_searches(tmp_path):
+    """tester tf63: `ci --corpus DIR` on a read-only mount searched its whole budget, printed `passed`, then ended
+    with exit 2 when it wrote DIR/<preset>/campaign.json; `fuzz --corpus DIR` refuses that DIR at once."""
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "1", "--presets", "default", "--regressions", str(empty), "--corpus", "/sys/fs",
+               "--out", str(tmp_path / "o"))
+    assert r.exit_code == 2 and "passed" not in r.output and "fuzz default" not in r.output, r.output
+    assert one_error_line(r).startswith("kvaudit: error: --corpus /sys/fs: cannot write in /sys/fs"), r.output
+
 def test_a_signature_another_process_sharing_the_corpus_wrote_meanwhile_is_known(tmp_path, monkeypatch):
     """tester 61b: of two `fuzz --corpus DIR` sharing DIR, the slower confirmed and minimized the signatures the
     other wrote meanwhile, then said '0 new, 0 known signature(s)' and recorded neither."""
