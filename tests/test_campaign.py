@@ -246,6 +246,34 @@ def test_ci_does_not_count_another_target_kinds_files_as_known_still_open(tmp_pa
     assert json.load(open(tmp_path / "s.sarif"))["runs"][0]["results"] == []
 
 
+def test_ci_counts_a_suppression_that_leaves_out_a_known_finding_still_open(tmp_path):
+    """tester tf63: `ci --corpus --suppress` replays the corpus's known findings under the rules, and one a rule
+    left out was gone from the SARIF and the "known still open" count, yet the rules table said the rule matched
+    nothing ("1 suppression(s) matched nothing"): a rule in use, flagged for deletion."""
+    corpus = tmp_path / "c"
+    (corpus / "retract" / "findings").mkdir(parents=True)
+    shutil.copy(os.path.join(REGRESSIONS, "retract-unaligned-page.json"), corpus / "retract" / "findings")
+    (tmp_path / "s.toml").write_text('[[suppress]]\nkind = "leak"\nreason = "known"\n')
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "1", "--presets", "retract", "--regressions", str(empty), "--corpus", str(corpus),
+               "--suppress", str(tmp_path / "s.toml"), "--sarif", str(tmp_path / "s.sarif"))
+    assert r.exit_code == 0, r.output
+    assert json.load(open(tmp_path / "s.sarif"))["runs"][0]["results"] == []  # left out of the open ones
+    assert "matched nothing" not in r.output, r.output
+    assert re.search(r"1 +leak +\(any\) +\(any\) +known +1 +[1-9]", r.output), r.output
+
+@pytest.mark.skipif(not os.path.isdir("/sys/fs"), reason="wants a directory nobody can write in, root included")
+def test_ci_refuses_a_corpus_it_cannot_write_in_before_it_searches(tmp_path):
+    """tester tf63: `ci --corpus DIR` on a read-only mount searched its whole budget, printed `passed`, then ended
+    with exit 2 when it wrote DIR/<preset>/campaign.json; `fuzz --corpus DIR` refuses that DIR at once."""
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "1", "--presets", "default", "--regressions", str(empty), "--corpus", "/sys/fs",
+               "--out", str(tmp_path / "o"))
+    assert r.exit_code == 2 and "passed" not in r.output and "fuzz default" not in r.output, r.output
+    assert one_error_line(r).startswith("kvaudit: error: --corpus /sys/fs: cannot write in /sys/fs"), r.output
+
 def test_a_signature_another_process_sharing_the_corpus_wrote_meanwhile_is_known(tmp_path, monkeypatch):
     """tester 61b: of two `fuzz --corpus DIR` sharing DIR, the slower confirmed and minimized the signatures the
     other wrote meanwhile, then said '0 new, 0 known signature(s)' and recorded neither."""
@@ -1343,3 +1371,24 @@ def test_a_replay_files_home_skips_a_fifo_folder_or_dangling_link_of_its_name(tm
     if t.is_alive():
         os.close(os.open(tmp_path / "findings" / "a.json", os.O_WRONLY | os.O_NONBLOCK))
     assert got[1:] == [({}, [f"1 file(s) in {tmp_path}/findings are not replay files, skipped: a.json"])]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_is_named_at_the_end(tmp_path):
+    """tester tf63: a worker SIGKILLed mid-run (the OOM killer) went unsaid: the run ended as "2 worker(s)", clean,
+    having searched with one. The end names it and how it ended; the exit code is the search's own."""
+    corpus = str(tmp_path / "corpus")
+    env = {**plain_env(), "KVAUDIT_TEST_CORPUS": corpus}  # marks this test's worker processes
+    proc = subprocess.Popen([kvaudit_script(), "fuzz", "--preset", "retract", "--fuzzer", "random", "--max-time", "8",
+                             "--workers", "2", "--corpus", corpus], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert _wait_for(lambda: len(_workers_of(corpus)) == 2, 60, proc), "no two workers within 60 s"
+        time.sleep(1)
+        os.kill(max(_workers_of(corpus)), signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (out, err)
+    assert re.search(r"warning: worker [01] ended by SIGKILL mid-run: the campaign searched on with 1 of 2 workers",
+                     err), err

@@ -748,3 +748,55 @@ def test_a_pull_never_skips_a_fleet_file_for_another_target_kinds_file_of_its_na
     assert known_signatures(str(tmp_path / "B"), target="eut")[sig] == str(found / f"{name}.3.json")
     again = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "k", str(tmp_path / "B")])
     assert again.exit_code == 0 and "pulled campaign k: 0 new replay file(s) (1 in" in again.output, again.output
+
+
+def test_a_workers_later_pulls_read_no_fleet_file_it_already_has_an_other_kinds_included(redis_server, tmp_path):
+    """stop 62's note: each round's pull (campaign.pull_files) fetched and parsed again every fleet file the worker's
+    kind does not record (another kind's, already pulled beside it): one HGET per such file per round. A worker's
+    hub reads each fleet file once; the campaign's start pulls only what its kind lacks, as the rounds do."""
+    from kvaudit.search.campaign import pull_files
+
+    here = os.path.join(os.path.dirname(__file__), "..", "corpora")
+    r = redis_server.client()
+    for path in (os.path.join(here, "regressions", "hisparse-prebuilt-skip-finish.json"),
+                 os.path.join(here, "sglang", "aliasing-a1-rejected-turn-clears-inflight.json")):
+        _, _, findings, doc = replay.load(path)
+        r.hset("kvaudit:t:findings", findings[0].signature, json.dumps(doc))
+    hub = _hub(redis_server)
+    first = pull_files(hub, str(tmp_path / "C"), "eut")
+    assert len(os.listdir(tmp_path / "C" / "findings")) == 2 and first, first
+    r.config_resetstat()
+    assert pull_files(hub, str(tmp_path / "C"), "eut") == []
+    assert r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0) == 0  # (2 files, 1 HGET each round before)
+
+
+def test_a_campaigns_start_pulls_only_the_fleet_files_its_kind_lacks(redis_server, tmp_path, monkeypatch):
+    """The start's pull fetched every fleet file at each start, the ones DIR/findings/ holds included."""
+    from kvaudit.search import campaign
+
+    path = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions", "hisparse-prebuilt-skip-finish.json")
+    config, _, findings, doc = replay.load(path)
+    r = redis_server.client()
+    r.hset("kvaudit:t:findings", findings[0].signature, json.dumps(doc))
+    (tmp_path / "C" / "findings").mkdir(parents=True)
+    replay.write_atomic(str(tmp_path / "C" / "findings" / "mine.json"), doc)
+    monkeypatch.setattr(campaign, "_search_loop", lambda spec, handle: None)  # (the start's pull only)
+    r.config_resetstat()
+    result = campaign.run_campaign(config, "random", 1, 0, 1, str(tmp_path / "C"), db=redis_server.url, campaign="t")
+    assert findings[0].signature in result.known and os.listdir(tmp_path / "C" / "findings") == ["mine.json"]
+    assert r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0) == 0  # (1 before)
+
+
+def test_a_pull_writes_no_second_copy_of_a_finding_the_folder_holds_under_another_name(redis_server, tmp_path):
+    """`campaign pull` looked for the fleet's file under its own name only: a finding kept as DIR/findings/mine.json
+    was pulled again beside it, and a campaign over DIR then held two files for one bug."""
+    path = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions", "hisparse-prebuilt-skip-finish.json")
+    _, _, findings, doc = replay.load(path)
+    r = redis_server.client()
+    r.hset("kvaudit:k:findings", findings[0].signature, json.dumps(doc))
+    r.sadd("kvaudit:k:workers", "host/1/0")
+    (tmp_path / "B" / "findings").mkdir(parents=True)
+    replay.write_atomic(str(tmp_path / "B" / "findings" / "mine.json"), doc)
+    pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "k", str(tmp_path / "B")])
+    assert pull.exit_code == 0 and "pulled campaign k: 0 new replay file(s) (1 in" in pull.output, pull.output
+    assert os.listdir(tmp_path / "B" / "findings") == ["mine.json"]

@@ -139,6 +139,7 @@ def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
 def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
     check_dir(out_dir, "out")
     if corpus_dir is not None:
+        check_dir(corpus_dir, "corpus")  # (as fuzz does: not after the search, at the run record's write)
         try:
             os.makedirs(corpus_dir, exist_ok=True)
         except OSError as e:

@@ -126,6 +126,7 @@ def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
 
 def pull(db: str, campaign: str, directory: str) -> int:
     """``kvaudit campaign pull``; returns the exit code (a malformed entry is skipped with a warning)."""
+    from kvaudit.search.campaign import recorded_kinds
     from kvaudit.search.corpus_fuzz import CorpusStore
     from kvaudit.search.hub import Hub, safe_url, worker_id
 
@@ -138,7 +139,8 @@ def pull(db: str, campaign: str, directory: str) -> int:
         raise InputError(f"{directory}: {e.strerror or e}") from None
     hub, paths, kinds = Hub(client, campaign, worker_id(-1)), [], set()
     try:
-        hub.pull_findings(os.path.join(directory, "findings"), written=paths, kinds=kinds)
+        hub.pull_findings(os.path.join(directory, "findings"), written=paths, kinds=kinds,
+                          recorded=recorded_kinds(directory))
     except OSError as e:  # (a full disk: not Redis going away)
         raise write_error(e, e.filename, paths) from None
     store = CorpusStore(os.path.join(directory, "programs"), mirror=hub)

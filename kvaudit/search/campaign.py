@@ -53,6 +53,19 @@ def known_signatures(corpus: str, unreadable: list[str] | None = None, target: s
     return out
 
 
+def recorded_kinds(corpus: str) -> dict[str, set[str]]:
+    """Target kind -> the signatures the replay files in ``corpus``'s findings folder record on it (a file that
+    does not load is skipped)."""
+    out: dict[str, set[str]] = {}
+    for path in findings_files(corpus)[0]:
+        try:
+            config, _, findings, _ = replay.load(path)
+        except replay.ReplayFormatError:
+            continue
+        out.setdefault(replay.target_name(config), set()).update(f.signature for f in findings)
+    return out
+
+
 def findings_files(corpus: str) -> tuple[list[str], list[str]]:
     """The entries of ``corpus``'s findings folder, sorted: ``(the regular files named *.json, the others)``
     (paths); dot files (kvaudit's temporaries) are neither. Only the first are ever opened: a FIFO waits for a
@@ -607,7 +620,8 @@ def sigint_ignored_at_birth():
 
 def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
     """One spawned process per spec, its messages handed to ``handle`` until each says done or all are gone;
-    then they are stopped (SIGTERM: a worker in triage writes its finding first; SIGKILL after 5 s)."""
+    then they are stopped (SIGTERM: a worker in triage writes its finding first; SIGKILL after 5 s). A worker gone
+    without saying done (killed: the OOM killer) is named in a ``warning`` message."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker_main, args=(s, q), daemon=True) for s in specs]
@@ -615,7 +629,7 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
         for p in procs:
             p.start()
     try:
-        running = len(procs)
+        running, done = len(procs), set()
         while running:
             try:
                 msg = q.get(timeout=0.5)
@@ -625,7 +639,12 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
                 continue
             if msg[0] == "done":
                 running -= 1
+                done.add(msg[1])
             handle(msg)
+        gone = [(s.index, p.exitcode) for s, p in zip(specs, procs) if s.index not in done]
+        for index, code in gone:
+            handle(("warning", index, f"worker {index} ended {_ended(code)} mid-run: the campaign searched on with "
+                                      f"{len(procs) - len(gone)} of {len(procs)} workers"))
     finally:
         if not running:  # every worker said done: let them exit on their own first
             for p in procs:
@@ -639,6 +658,16 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
                 p.kill()
                 p.join(timeout=5)
         _drain(q, handle)
+
+
+def _ended(exitcode: int | None) -> str:
+    """How a process ended, from its ``exitcode`` (negative: the signal's number)."""
+    if exitcode is None or exitcode >= 0:
+        return f"with exit code {exitcode}"
+    try:
+        return f"by {signal.Signals(-exitcode).name}"
+    except ValueError:  # (a number Python has no name for)
+        return f"by signal {-exitcode}"
 
 
 # what a worker says of its findings, read after the workers stopped (what else they said then is moot)
@@ -686,13 +715,12 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     Raises OSError if ``corpus`` cannot be written."""
     ttl = float(os.environ.get("KVAUDIT_FLEET_TTL", "30")) if ttl is None else ttl
     os.makedirs(findings_dir(corpus), exist_ok=True)
-    fleet = None
-    if db is not None:  # the fleet's findings are known before the first program runs
+    fleet, target = None, replay.target_name(config)
+    if db is not None:  # the fleet's findings are known before the first program runs (those its kind lacks)
         from kvaudit.search import hub as hubs
 
         fleet = hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl)
-        fleet.pull_findings(findings_dir(corpus))
-    target = replay.target_name(config)
+        fleet.pull_findings(findings_dir(corpus), have=set(known_signatures(corpus, target=target)))
     result = CampaignResult(known=known_signatures(corpus, target=target), workers=workers)
     stats = result.stats
     handle = _Tally(result, on_progress, on_finding)

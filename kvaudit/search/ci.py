@@ -188,17 +188,18 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
                 run.unwritten.update({sig: dest for sig in sorted(sigs)})
             run.new.append((program, [f for f in findings if f.signature in sigs], path))
         if not result.interrupted:  # (in the scratch corpus's life: another shard's files are pulled into it)
-            run.known_open = still_open({**result.fleet, **result.known}, suppress_path)
+            run.known_open = still_open({**result.fleet, **result.known}, suppress_path, run.suppression_usage)
     run.interrupted = result.interrupted
     if result.interrupted:  # no time for replays: its SARIF lists what was found
         run.seconds = min(budget, time.monotonic() - t0)
     return run
 
 
-def still_open(known: dict[str, str], suppress_path: str | None = None) -> list[Finding]:
+def still_open(known: dict[str, str], suppress_path: str | None = None, usage: list | None = None) -> list[Finding]:
     """The known findings (signature -> corpus file; another CI shard's, pulled from ``--db``, too) not fixed
     yet: each file is replayed once, and its recorded findings whose signatures come back are returned as
-    recorded (so their SARIF locations are the file's). Files that no longer load are left out."""
+    recorded (so their SARIF locations are the file's). Files that no longer load are left out. ``usage``: each
+    replay's suppression usage (:meth:`~kvaudit.audit.suppress.SuppressionSet.usage`) is appended to it."""
     from kvaudit.audit.suppress import SuppressionSet
 
     sset = SuppressionSet.load(suppress_path) if suppress_path else None
@@ -211,7 +212,10 @@ def still_open(known: dict[str, str], suppress_path: str | None = None) -> list[
             config, program, recorded, _ = replay.load(path)
         except replay.ReplayFormatError:
             continue
-        now = set(execute(config, program, suppressions=sset.fresh() if sset else None).signatures)
+        rules = sset.fresh() if sset else None
+        now = set(execute(config, program, suppressions=rules).signatures)
+        if rules is not None and usage is not None:  # (a rule that left a known finding out is in use)
+            usage.append(rules.usage())
         out += [f for f in recorded if f.signature in sigs & now]
     return out
 

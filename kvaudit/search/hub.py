@@ -189,6 +189,7 @@ class Hub:
         self._retry_at = 0.0
         self._outbox: list[Callable] = []  # writes made offline, each redone as write(redis) on reconnection
         self._claims: set[str] = set()
+        self._pulled: set[str] = set()  # fleet files found in the folder or written there: never fetched again
         self._programs_out: list[str] = []  # corpus programs not sent yet
         self._cursor = 0  # index into the programs list
         self._lock = threading.RLock()
@@ -347,16 +348,20 @@ class Hub:
         return set(map(_text, got))
 
     def pull_findings(self, directory: str, have: set[str] | None = None, written: list[str] | None = None,
-                      kinds: set[str] | None = None) -> list[str]:
+                      kinds: set[str] | None = None, recorded: dict[str, set[str]] | None = None) -> list[str]:
         """Write the fleet's replay files that ``directory`` lacks into it, validated, atomically; ``have``:
-        signatures to skip unread. A file of the same name that is not a replay file of the same target kind
+        signatures to skip unread (so is a file this hub found there or wrote at an earlier pull: another kind's
+        included, which ``have`` lacks). A file of the same name that is not a replay file of the same target kind
         and signature (another kind's, a note) is left as it is: the fleet's takes the next free
         ``<name>.<n>.json`` (:func:`kvaudit.replay.home`). Returns the paths written, each also appended to
-        ``written`` as it is; ``kinds``: the target kind of each valid replay file read is added to it. Raises
+        ``written`` as it is; ``kinds``: the target kind of each valid replay file read is added to it;
+        ``recorded``: target kind -> the signatures ``directory``'s files record on it (whatever their names): a
+        fleet file whose kind records its signature there is read but not written. Raises
         ``OSError`` for a file not written (a full disk: the files are written
         after the reads, so the disk's error is not taken for Redis's)."""
         def go(r):
-            sigs = [s for s in map(_text, r.hkeys(self.key("findings"))) if have is None or s not in have]
+            sigs = [s for s in map(_text, r.hkeys(self.key("findings")))
+                    if s not in self._pulled and (have is None or s not in have)]
             return [(sig, r.hget(self.key("findings"), sig)) for sig in sigs]
 
         written = [] if written is None else written
@@ -368,8 +373,9 @@ class Hub:
             if kinds is not None:
                 kinds.add(kind)
             path, has_it = replay.home(directory, sig, kind)
-            if not has_it:
+            if not has_it and sig not in (recorded or {}).get(kind, ()):
                 written.append(replay.write_atomic(path, doc))
+            self._pulled.add(sig)
         return written
 
     def new_programs(self) -> list[tuple[str, list]]:
