@@ -113,7 +113,9 @@ def rerecord(path: str, findings: list[Finding], timeline: Callable | None = Non
         items = [(k, v) for k, v in new.items() if k != "engine_version"]
         at = next((i + 1 for i, (k, _) in enumerate(items) if k == "config"), 0)
         new = dict(items[:at] + [("engine_version", version)] + items[at:])
-    old_sigs, new_sigs = [f.signature for f in recorded], [f.signature for f in findings]
+    # NOTE: the signature as the file writes it (what a CI, a suppression or a file name go by), else as made
+    old_sigs = [d.get("signature") or f.signature for d, f in zip(doc.get("findings", []), recorded)]
+    new_sigs = [f.signature for f in findings]
     changed = f" (signatures were {', '.join(old_sigs) or 'none'}; now {', '.join(new_sigs)})" \
         if old_sigs != new_sigs else ""
     if new == doc:

@@ -693,6 +693,21 @@ def test_replay_update_records_the_release_it_re_recorded_on(tmp_path, monkeypat
     assert json.loads(other.read_text())["engine_version"] == "9.9"  # the same frames, now of 9.9
 
 
+def test_replay_update_says_when_the_signature_the_file_records_changes(tmp_path):
+    """tg63: a file whose recorded ``signature`` text differs from the one its findings now make (written by an
+    older kvaudit, or edited by hand) was rewritten with the new signature and the line said only ``updated: 1
+    finding(s) re-recorded``: the signature a CI or a suppression names changed without a word."""
+    path, doc = _stale_copy(tmp_path, "overlap-abort-double-free.json")
+    now = [f["signature"] for f in doc["findings"]]
+    doc["findings"][0]["signature"] = "use-after-free/old/signature"
+    path.write_text(json.dumps(doc))
+    result = invoke("replay", "--update", str(path))
+    assert result.exit_code == 0, result.output
+    was = ", ".join(["use-after-free/old/signature"] + now[1:])
+    assert f"(signatures were {was}; now {', '.join(now)})" in result.stdout
+    assert [f["signature"] for f in json.loads(path.read_text())["findings"]] == now
+
+
 def test_replay_update_leaves_a_file_that_no_longer_reproduces(tmp_path):
     path, doc = _stale_copy(tmp_path, "overlap-abort-double-free.json")
     doc["config"]["bugs"] = []  # the bug switched off: the program is clean
