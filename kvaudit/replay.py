@@ -166,7 +166,7 @@ def home(directory: str, signature: str, target: str, name: str | None = None) -
 
 def _read(path: str) -> dict:
     try:
-        with open(path) as fh:
+        with open(path, encoding="utf-8-sig") as fh:  # NOTE: UTF-8 whatever the locale; a BOM (an editor's) skipped
             doc = json.load(fh)
     except OSError as e:
         raise ReplayFormatError(f"cannot read {path}: {e.strerror}") from None

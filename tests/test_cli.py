@@ -301,6 +301,21 @@ def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, wh
     assert result.stdout == ""
 
 
+def test_a_replay_file_saved_with_a_byte_order_mark_or_crlf_line_ends_reads_as_written(tmp_path):
+    """tg63: a replay file saved by a Windows editor (UTF-8 with a BOM, CRLF) was refused, ``is not JSON:
+    Unexpected UTF-8 BOM (decode using utf-8-sig)``: the text is the same file's; JSON allows a reader to skip
+    the mark. A non-ASCII text in it (a note) is read as UTF-8 whatever the locale."""
+    text = open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json"), encoding="utf-8").read()
+    doc = json.loads(text)
+    doc["note"] = "vérifié"
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(doc, indent=2, ensure_ascii=False).replace("\n", "\r\n").encode())
+    result = invoke("report", str(path))
+    assert result.exit_code == 0, result.output
+    from kvaudit import replay
+    assert replay.load(str(path))[3]["note"] == "vérifié"
+
+
 def test_replay_of_a_missing_file_exits_2(tmp_path):
     result = invoke("replay", str(tmp_path / "absent.json"))
     assert result.exit_code == 2
