@@ -279,7 +279,10 @@ def _write(tmp_path, name, text):
     ('{"format": "kvaudit.replay/1", "config": {"nope": 1}, "program": []}', "bad config"),
     ('{"format": "kvaudit.replay/1", "config": [], "program": []}', "bad config"),
     ('{"format": "kvaudit.replay/1", "config": {"bugs": ["nope"]}, "program": []}', 'bad config: unknown bug "nope"'),
-    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "fork"}]}', 'bad program: unknown op "fork"; valid ops: submit'),
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "fork"}]}', 'bad program: op #0: unknown op "fork"; valid ops: submit'),
+    # (tg63: which op of a long program, as the report numbers them)
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "idle"}, {"op": "step", "n": 1}, '
+     '{"op": "submit", "prompt_len": 99999}]}', 'bad program: op #2: argument "prompt_len" of op "submit" must be in'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": {"op": "idle"}}', "bad program"),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "submit", "prompt_len": -3}]}',
      'argument "prompt_len" of op "submit" must be in [0, 10000], got -3'),
@@ -291,7 +294,7 @@ def _write(tmp_path, name, text):
     ('{"format": "kvaudit.replay/1", "config": {"seed": ' + "9" * 5000 + '}, "program": []}',
      "not a kvaudit replay file (a number of more than 4300 digits)"),
 ], ids=["object", "list", "string", "old-format", "newer-format", "text", "empty", "no-config", "no-program", "config-key",
-        "config-list", "config-bug", "unknown-op", "program-object", "arg-range", "arg-type", "finding-fields", "findings-string",
+        "config-list", "config-bug", "unknown-op", "arg-range-at-op-2", "program-object", "arg-range", "arg-type", "finding-fields", "findings-string",
         "huge-number"])
 def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, why):
     """A name the file holds is spelled as JSON spells it (it said ``unknown bug 'nope'``, ``missing key 'program'``)."""
