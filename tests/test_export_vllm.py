@@ -522,3 +522,22 @@ def test_a_known_fixed_bug_found_again_is_exported_as_that_bug(tmp_path, recorde
     issue = (tmp_path / "i.md").read_text()
     assert ("Fixed upstream in vLLM 0.16.0 (vllm-project/vllm#33377); upgrade." in issue) == (recorded == "0.15.1")
 
+
+
+@pytest.mark.parametrize("names", [True, False], ids=["names-its-release", "names-none"])
+def test_a_history_bug_s_replay_line_says_whether_the_file_names_its_release(tmp_path, names):
+    """tg63: the issue of corpora/vllm/history/vllm-33377.json (``"engine_version": "0.15.1"``) said "Replay on
+    vLLM 0.15.1 (the file does not name the release; ...)": it does, and a reader believed the file."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "history", "vllm-33377.json")))
+    assert doc["engine_version"] == "0.15.1"
+    if not names:
+        del doc["engine_version"]
+    src = tmp_path / "history" / "vllm-33377.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in (tmp_path / "i.md").read_text().splitlines() if ln.startswith("- Replay on "))
+    assert line.startswith("- Replay on vLLM 0.15.1 (" + ("the release the file was recorded on; on 0.16.0 it replays "
+                                                        "clean)" if names else "the file does not name the release; "
+                                                        "on 0.16.0 it replays clean)")), line
