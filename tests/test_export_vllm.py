@@ -541,3 +541,27 @@ def test_a_history_bug_s_replay_line_says_whether_the_file_names_its_release(tmp
     assert line.startswith("- Replay on vLLM 0.15.1 (" + ("the release the file was recorded on; on 0.16.0 it replays "
                                                         "clean)" if names else "the file does not name the release; "
                                                         "on 0.16.0 it replays clean)")), line
+
+
+def test_a_message_with_quotes_backslashes_or_control_characters_exports_a_client_that_compiles(tmp_path):
+    """tg63: the client's docstring opens with the title, which (without an analysis) quotes the finding's
+    message: a message holding ``\"\"\"`` or a backslash (``\\x`` with no hex after it, ``\\N``) made a script
+    that does not compile, and an escape sequence or a NUL went raw into the script and the issue."""
+    import warnings
+
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")))
+    doc["findings"][0]["message"] = 'held """ \\x \\N{ \\ \x1b[2J \x00 end"'
+    src = tmp_path / 'odd "q" \\.json'
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
+               "--no-resolve")
+    assert r.exit_code == 0, r.output
+    script, issue = (tmp_path / "c.py").read_text(), (tmp_path / "i.md").read_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (an invalid escape such as "\." warns, a later Python refuses it)
+        code = compile(script, "c.py", "exec")
+    shown = 'held """ \\x \\N{ \\ \\x1b[2J \\x00 end"'
+    assert shown in code.co_consts[0]  # the docstring reads as the message, its controls escaped
+    assert shown in issue
+    for text in (script, issue):
+        assert "\x1b" not in text and "\x00" not in text

@@ -8,8 +8,6 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-import re
-
 from rich.console import Console, RenderHook
 from rich.measure import Measurement
 from rich.segment import Segment
@@ -19,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvaudit.app.budget import duration
+from kvaudit.config import shown_controls
 
 if TYPE_CHECKING:
     from kvaudit.search.fuzz import FuzzStats
@@ -35,10 +34,6 @@ def console(stderr: bool = False) -> Console:
     return out
 
 
-# C0 controls but tab and newline, DEL and C1 (0x9b is a CSI of its own): a terminal acts on them
-_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
 class _Escaped:
     """``inner`` rendered with the control characters of its text (a replay file's message, a frame's source
     line: anything read from a file) shown as ``\\x1b``, so that they cannot drive the terminal; rich's own
@@ -49,8 +44,8 @@ class _Escaped:
 
     def __rich_console__(self, console, options):
         for seg in console.render(self.inner, options):
-            if seg.control is None and _CONTROLS.search(seg.text):
-                seg = Segment(_CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", seg.text), seg.style)
+            if seg.control is None and shown_controls(seg.text) != seg.text:
+                seg = Segment(shown_controls(seg.text), seg.style)
             yield seg
 
     def __rich_measure__(self, console, options):
