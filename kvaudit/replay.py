@@ -164,10 +164,25 @@ def home(directory: str, signature: str, target: str, name: str | None = None) -
         n += 1
 
 
+class _Twice(Exception):
+    """A key met twice in one JSON object (its name)."""
+
+
+def _one_of_each(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen: set = set()
+        raise _Twice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 def _read(path: str) -> dict:
     try:
         with open(path, encoding="utf-8-sig") as fh:  # NOTE: UTF-8 whatever the locale; a BOM (an editor's) skipped
-            doc = json.load(fh)
+            doc = json.load(fh, object_pairs_hook=_one_of_each)
+    except _Twice as e:
+        raise ReplayFormatError(f"{path}: key {json_value(e.args[0], 60)} appears twice in one object (a JSON reader "
+                                "keeps the last one, and a hand edit meant the other: delete one)") from None
     except OSError as e:
         raise ReplayFormatError(f"cannot read {path}: {e.strerror}") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints past Python's digit limit

@@ -284,6 +284,9 @@ def _write(tmp_path, name, text):
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "idle"}, {"op": "step", "n": 1}, '
      '{"op": "submit", "prompt_len": 99999}]}', 'bad program: op #2: argument "prompt_len" of op "submit" must be in'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": {"op": "idle"}}', "bad program"),
+    # (tg63: a hand edit that adds "bugs": [] above the old line replayed the old bugs, the last one winning)
+    ('{"format": "kvaudit.replay/1", "config": {"bugs": [], "seed": 0, "bugs": ["chunked-abort-ignored"]}, '
+     '"program": []}', 'key "bugs" appears twice in one object'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "submit", "prompt_len": -3}]}',
      'argument "prompt_len" of op "submit" must be in [0, 10000], got -3'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "submit", "prompt_len": "x"}]}',
@@ -294,7 +297,7 @@ def _write(tmp_path, name, text):
     ('{"format": "kvaudit.replay/1", "config": {"seed": ' + "9" * 5000 + '}, "program": []}',
      "not a kvaudit replay file (a number of more than 4300 digits)"),
 ], ids=["object", "list", "string", "old-format", "newer-format", "text", "empty", "no-config", "no-program", "config-key",
-        "config-list", "config-bug", "unknown-op", "arg-range-at-op-2", "program-object", "arg-range", "arg-type", "finding-fields", "findings-string",
+        "config-list", "config-bug", "unknown-op", "arg-range-at-op-2", "program-object", "duplicate-key", "arg-range", "arg-type", "finding-fields", "findings-string",
         "huge-number"])
 def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, why):
     """A name the file holds is spelled as JSON spells it (it said ``unknown bug 'nope'``, ``missing key 'program'``)."""
