@@ -729,6 +729,16 @@ def test_replay_update_says_when_the_signature_the_file_records_changes(tmp_path
     assert [f["signature"] for f in json.loads(path.read_text())["findings"]] == now
 
 
+def test_replay_update_keeps_the_file_s_permissions(tmp_path):
+    """tg63: a reproducer kept private (chmod 600) came back 644 from --update, the new file made with the
+    umask's mode; a report written over an existing file keeps that file's permissions."""
+    path, _ = _stale_copy(tmp_path, "overlap-abort-double-free.json")
+    path.chmod(0o600)
+    result = invoke("replay", "--update", str(path))
+    assert result.exit_code == 0 and ": updated: " in result.stdout, result.output
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
 def test_replay_update_leaves_a_file_that_no_longer_reproduces(tmp_path):
     path, doc = _stale_copy(tmp_path, "overlap-abort-double-free.json")
     doc["config"]["bugs"] = []  # the bug switched off: the program is clean
