@@ -182,7 +182,7 @@ def _read(path: str) -> dict:
             doc = json.load(fh, object_pairs_hook=_one_of_each)
     except _Twice as e:
         raise ReplayFormatError(f"{path}: key {json_value(e.args[0], 60)} appears twice in one object (a JSON reader "
-                                "keeps the last one, and a hand edit meant the other: delete one)") from None
+                                "would keep the last: delete the one not meant)") from None
     except OSError as e:
         raise ReplayFormatError(f"cannot read {path}: {e.strerror}") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints past Python's digit limit
@@ -190,6 +190,10 @@ def _read(path: str) -> dict:
         if "integer string conversion" in why:  # (Python's own hint names sys.set_int_max_str_digits)
             raise ReplayFormatError(f"{path} is not a kvaudit replay file (a number of more than "
                                     f"{sys.get_int_max_str_digits()} digits)") from None
+        if isinstance(e, json.JSONDecodeError) and not e.doc.strip():
+            why = "the file is empty"
+        elif isinstance(e, json.JSONDecodeError) and (e.pos >= len(e.doc.rstrip()) or e.msg.startswith("Unterminated")):
+            why += " (the file ends there: cut short?)"
         raise ReplayFormatError(f"{path} is not JSON: {why}") from None
     except RecursionError:
         raise ReplayFormatError(f"{path} is not a kvaudit replay file (nested too deeply)") from None

@@ -273,7 +273,13 @@ def _write(tmp_path, name, text):
     ('{"format": "kvaudit.replay/9", "config": {}, "program": []}',
      'replay format "kvaudit.replay/9" is not supported by this kvaudit (it reads "kvaudit.replay/1")'),
     ("this is not json\n", "not JSON"),
-    ("", "not JSON"),
+    ("", "not JSON: the file is empty"),
+    ("  \n", "not JSON: the file is empty"),
+    # (tg63: a file cut short by a copy, a disk or an editor: say so, beside the line)
+    ('{"format": "kvaudit.replay/1", "config": {"seed": 0},\n "program": [{"op": "idle"}, {"op": "st',
+     "not JSON: Unterminated string starting at: line 2 column 37 (char 90) (the file ends there: cut short?)"),
+    ('{"format": "kvaudit.replay/1", "config": {"seed": 0},\n "program": [{"op": "idle"}, \n',
+     "not JSON: Expecting value: line 3 column 1 (char 84) (the file ends there: cut short?)"),
     ('{"format": "kvaudit.replay/1", "program": []}', 'missing key "config"'),
     ('{"format": "kvaudit.replay/1", "config": {}}', 'missing key "program"'),
     ('{"format": "kvaudit.replay/1", "config": {"nope": 1}, "program": []}', "bad config"),
@@ -296,7 +302,7 @@ def _write(tmp_path, name, text):
     # (tester 61a: Python's own hint, "use sys.set_int_max_str_digits() to increase the limit", was the message)
     ('{"format": "kvaudit.replay/1", "config": {"seed": ' + "9" * 5000 + '}, "program": []}',
      "not a kvaudit replay file (a number of more than 4300 digits)"),
-], ids=["object", "list", "string", "old-format", "newer-format", "text", "empty", "no-config", "no-program", "config-key",
+], ids=["object", "list", "string", "old-format", "newer-format", "text", "empty", "blank", "truncated", "truncated-between", "no-config", "no-program", "config-key",
         "config-list", "config-bug", "unknown-op", "arg-range-at-op-2", "program-object", "duplicate-key", "arg-range", "arg-type", "finding-fields", "findings-string",
         "huge-number"])
 def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, why):
