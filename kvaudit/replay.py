@@ -276,10 +276,12 @@ def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding],
     if not isinstance(recorded, list) or not all(
             isinstance(f, dict) and {"kind", "pool", "message"} <= set(f) for f in recorded):
         raise ReplayFormatError(f"{path}: bad findings: want a list of objects with kind, pool and message")
-    try:
-        findings = [Finding.from_dict(f) for f in recorded]
-    except (TypeError, KeyError, AttributeError, ValueError) as e:
-        raise ReplayFormatError(f"{path}: bad findings: {e}") from None
+    findings = []
+    for i, f in enumerate(recorded):
+        try:
+            findings.append(Finding.from_dict(f))
+        except (TypeError, KeyError, AttributeError, ValueError) as e:
+            raise ReplayFormatError(f"{path}: bad findings: {e} (finding #{i})") from None
     version = doc.get("engine_version")
     if version is not None and not (isinstance(version, str) and version):
         raise ReplayFormatError(f"{path}: bad engine_version: want the engine's release as a string, "
