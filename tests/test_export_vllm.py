@@ -565,3 +565,19 @@ def test_a_message_with_quotes_backslashes_or_control_characters_exports_a_clien
     assert shown in issue
     for text in (script, issue):
         assert "\x1b" not in text and "\x00" not in text
+
+
+def test_a_message_of_several_lines_gives_the_issue_a_one_line_title(tmp_path):
+    """tg63: a crash's message is the exception's (``AssertionError: ...`` with the lines an assertion message
+    spans): the issue's ``# title`` took its first line only and the rest fell into the body as loose text."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")))
+    doc["findings"][0]["message"] = "blocks held\n  by req-1\r\n\tafter free"
+    src = tmp_path / "multi.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
+               "--no-resolve")
+    assert r.exit_code == 0, r.output
+    first = (tmp_path / "i.md").read_text().splitlines()[0]
+    assert first.startswith("# [planted fault, not a vLLM bug] leak in block_pool at ") and \
+        first.endswith(": blocks held by req-1 after free"), first
+    assert first[2:] in (tmp_path / "c.py").read_text().splitlines()[1]

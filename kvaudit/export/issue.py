@@ -45,14 +45,15 @@ def _finding(f: Finding, package: str) -> list[str]:
 
 
 def title_of(findings: list[Finding], note: Note | None) -> str:
-    """The report's title: the note's, else the first finding's kind and innermost function."""
+    """The report's title: the note's, else the first finding's kind and innermost function, and its message on
+    one line (a crash's exception message can span several)."""
     if note is not None:
         return note.title
     if not findings:
         return "kvaudit: a program with no recorded finding"
     f = findings[0]
     fn = next((s.function for _, frames in finding_stacks(f) for s in frames), "?")
-    return f"{f.kind} in {f.pool} at {fn}: {_clipped(f.message, 80)}"
+    return f"{f.kind} in {f.pool} at {fn}: {_clipped(' '.join(f.message.split()), 80)}"  # (one line: a heading)
 
 
 def _clipped(text: str, width: int) -> str:
