@@ -581,3 +581,19 @@ def test_a_message_of_several_lines_gives_the_issue_a_one_line_title(tmp_path):
     assert first.startswith("# [planted fault, not a vLLM bug] leak in block_pool at ") and \
         first.endswith(": blocks held by req-1 after free"), first
     assert first[2:] in (tmp_path / "c.py").read_text().splitlines()[1]
+
+
+def test_an_op_the_client_ignores_is_said_to_send_nothing_once(tmp_path):
+    """tg63: an open_session on a vLLM preset read "nothing sent for `open_session()` (nothing sent: on a ...)" in the
+    issue, and "# nothing to send: nothing sent: ..." in the script."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")))
+    doc["program"][1:1] = [{"op": "open_session"}, {"op": "close_session", "handle": 0}]
+    src = tmp_path / "sessions.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
+               "--no-resolve")
+    assert r.exit_code == 0, r.output
+    issue, script = (tmp_path / "i.md").read_text(), (tmp_path / "c.py").read_text()
+    assert "- op 1: nothing sent for `open_session()` (on a streaming_sessions preset" in issue
+    assert "- op 2: nothing sent for `close_session(handle=0)` (on a streaming_sessions preset" in issue
+    assert "nothing sent: " not in issue and "nothing sent: " not in script
