@@ -8,6 +8,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 
 
@@ -29,17 +30,21 @@ def fd_link(path: str) -> str | None:
 def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
     """Write ``data`` to ``path`` via a temporary file, fsync and ``os.replace``: a reader sees the old
     file or the whole new one (``durable`` False: no fsync, whole after a process crash only). A missing
-    directory is made. A symbolic link stays one: the file it names is the one replaced (or made). Raises
+    directory is made; a file written over keeps its permissions, a new one has the umask's. A symbolic link stays one: the file it names is the one replaced (or made). Raises
     OSError, naming ``path`` where the failure was the file's (a full disk at the write, fsync or close of
     the temporary, which names no file or the temporary)."""
     target = os.path.realpath(path)  # NOTE: not abspath: it folds link/.. lexically (mkstemp too)
     d = os.path.dirname(target)
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=d)
-    umask = os.umask(0)
-    os.umask(umask)
     try:
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
+        mode = stat.S_IMODE(os.stat(target).st_mode)  # NOTE: a file written over keeps its mode (chmod 600 stays)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    try:
+        os.fchmod(fd, mode)  # mkstemp makes 0600; a report is an ordinary file
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

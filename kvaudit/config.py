@@ -8,6 +8,7 @@ import datetime
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +47,17 @@ def shown_path(path) -> str:
         raw = path.encode("utf-8", "backslashreplace")
     text = raw.decode("utf-8", "backslashreplace")
     return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+# C0 controls but tab and newline, DEL and C1 (0x9b is a CSI of its own): a terminal acts on them
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def shown_controls(text: str) -> str:
+    """``text`` with each control character but tab and newline written as ``\\x1b`` (four characters), so that
+    text read from a file (a replay file's message, a frame's source line) cannot drive a terminal, nor hold a
+    NUL in a generated script; any other text as it is."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _spelled(v) -> str:

@@ -113,7 +113,9 @@ def rerecord(path: str, findings: list[Finding], timeline: Callable | None = Non
         items = [(k, v) for k, v in new.items() if k != "engine_version"]
         at = next((i + 1 for i, (k, _) in enumerate(items) if k == "config"), 0)
         new = dict(items[:at] + [("engine_version", version)] + items[at:])
-    old_sigs, new_sigs = [f.signature for f in recorded], [f.signature for f in findings]
+    # NOTE: the signature as the file writes it (what a CI, a suppression or a file name go by), else as made
+    old_sigs = [d.get("signature") or f.signature for d, f in zip(doc.get("findings", []), recorded)]
+    new_sigs = [f.signature for f in findings]
     changed = f" (signatures were {', '.join(old_sigs) or 'none'}; now {', '.join(new_sigs)})" \
         if old_sigs != new_sigs else ""
     if new == doc:
@@ -162,10 +164,25 @@ def home(directory: str, signature: str, target: str, name: str | None = None) -
         n += 1
 
 
+class _Twice(Exception):
+    """A key met twice in one JSON object (its name)."""
+
+
+def _one_of_each(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen: set = set()
+        raise _Twice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 def _read(path: str) -> dict:
     try:
-        with open(path) as fh:
-            doc = json.load(fh)
+        with open(path, encoding="utf-8-sig") as fh:  # NOTE: UTF-8 whatever the locale; a BOM (an editor's) skipped
+            doc = json.load(fh, object_pairs_hook=_one_of_each)
+    except _Twice as e:
+        raise ReplayFormatError(f"{path}: key {json_value(e.args[0], 60)} appears twice in one object (a JSON reader "
+                                "would keep the last: delete the one not meant)") from None
     except OSError as e:
         raise ReplayFormatError(f"cannot read {path}: {e.strerror}") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints past Python's digit limit
@@ -173,6 +190,10 @@ def _read(path: str) -> dict:
         if "integer string conversion" in why:  # (Python's own hint names sys.set_int_max_str_digits)
             raise ReplayFormatError(f"{path} is not a kvaudit replay file (a number of more than "
                                     f"{sys.get_int_max_str_digits()} digits)") from None
+        if isinstance(e, json.JSONDecodeError) and not e.doc.strip():
+            why = "the file is empty"
+        elif isinstance(e, json.JSONDecodeError) and (e.pos >= len(e.doc.rstrip()) or e.msg.startswith("Unterminated")):
+            why += " (the file ends there: cut short?)"
         raise ReplayFormatError(f"{path} is not JSON: {why}") from None
     except RecursionError:
         raise ReplayFormatError(f"{path} is not a kvaudit replay file (nested too deeply)") from None
@@ -255,10 +276,12 @@ def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding],
     if not isinstance(recorded, list) or not all(
             isinstance(f, dict) and {"kind", "pool", "message"} <= set(f) for f in recorded):
         raise ReplayFormatError(f"{path}: bad findings: want a list of objects with kind, pool and message")
-    try:
-        findings = [Finding.from_dict(f) for f in recorded]
-    except (TypeError, KeyError, AttributeError, ValueError) as e:
-        raise ReplayFormatError(f"{path}: bad findings: {e}") from None
+    findings = []
+    for i, f in enumerate(recorded):
+        try:
+            findings.append(Finding.from_dict(f))
+        except (TypeError, KeyError, AttributeError, ValueError) as e:
+            raise ReplayFormatError(f"{path}: bad findings: {e} (finding #{i})") from None
     version = doc.get("engine_version")
     if version is not None and not (isinstance(version, str) and version):
         raise ReplayFormatError(f"{path}: bad engine_version: want the engine's release as a string, "

@@ -273,25 +273,41 @@ def _write(tmp_path, name, text):
     ('{"format": "kvaudit.replay/9", "config": {}, "program": []}',
      'replay format "kvaudit.replay/9" is not supported by this kvaudit (it reads "kvaudit.replay/1")'),
     ("this is not json\n", "not JSON"),
-    ("", "not JSON"),
+    ("", "not JSON: the file is empty"),
+    ("  \n", "not JSON: the file is empty"),
+    # (tg63: a file cut short by a copy, a disk or an editor: say so, beside the line)
+    ('{"format": "kvaudit.replay/1", "config": {"seed": 0},\n "program": [{"op": "idle"}, {"op": "st',
+     "not JSON: Unterminated string starting at: line 2 column 37 (char 90) (the file ends there: cut short?)"),
+    ('{"format": "kvaudit.replay/1", "config": {"seed": 0},\n "program": [{"op": "idle"}, \n',
+     "not JSON: Expecting value: line 3 column 1 (char 84) (the file ends there: cut short?)"),
     ('{"format": "kvaudit.replay/1", "program": []}', 'missing key "config"'),
     ('{"format": "kvaudit.replay/1", "config": {}}', 'missing key "program"'),
     ('{"format": "kvaudit.replay/1", "config": {"nope": 1}, "program": []}', "bad config"),
     ('{"format": "kvaudit.replay/1", "config": [], "program": []}', "bad config"),
     ('{"format": "kvaudit.replay/1", "config": {"bugs": ["nope"]}, "program": []}', 'bad config: unknown bug "nope"'),
-    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "fork"}]}', 'bad program: unknown op "fork"; valid ops: submit'),
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "fork"}]}', 'bad program: op #0: unknown op "fork"; valid ops: submit'),
+    # (tg63: which op of a long program, as the report numbers them)
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "idle"}, {"op": "step", "n": 1}, '
+     '{"op": "submit", "prompt_len": 99999}]}', 'bad program: op #2: argument "prompt_len" of op "submit" must be in'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": {"op": "idle"}}', "bad program"),
+    # (tg63: a hand edit that adds "bugs": [] above the old line replayed the old bugs, the last one winning)
+    ('{"format": "kvaudit.replay/1", "config": {"bugs": [], "seed": 0, "bugs": ["chunked-abort-ignored"]}, '
+     '"program": []}', 'key "bugs" appears twice in one object'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "submit", "prompt_len": -3}]}',
      'argument "prompt_len" of op "submit" must be in [0, 10000], got -3'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "submit", "prompt_len": "x"}]}',
      'argument "prompt_len" of op "submit" must be an integer or null, got "x"'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": [{"kind": "leak"}]}', "bad findings"),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": "x"}', "bad findings"),
+    # (tg63: which of the findings holds the hand-added key)
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": [{"kind": "leak", "pool": "p", '
+     '"message": "m"}, {"kind": "leak", "pool": "p", "message": "m", "note": "triaged"}]}',
+     'bad findings: unknown field "note" (finding #1)'),
     # (tester 61a: Python's own hint, "use sys.set_int_max_str_digits() to increase the limit", was the message)
     ('{"format": "kvaudit.replay/1", "config": {"seed": ' + "9" * 5000 + '}, "program": []}',
      "not a kvaudit replay file (a number of more than 4300 digits)"),
-], ids=["object", "list", "string", "old-format", "newer-format", "text", "empty", "no-config", "no-program", "config-key",
-        "config-list", "config-bug", "unknown-op", "program-object", "arg-range", "arg-type", "finding-fields", "findings-string",
+], ids=["object", "list", "string", "old-format", "newer-format", "text", "empty", "blank", "truncated", "truncated-between", "no-config", "no-program", "config-key",
+        "config-list", "config-bug", "unknown-op", "arg-range-at-op-2", "program-object", "duplicate-key", "arg-range", "arg-type", "finding-fields", "findings-string", "finding-field-at-1",
         "huge-number"])
 def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, why):
     """A name the file holds is spelled as JSON spells it (it said ``unknown bug 'nope'``, ``missing key 'program'``)."""
@@ -299,6 +315,21 @@ def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, wh
     assert result.exit_code == 2, result.output
     assert why in one_error_line(result)
     assert result.stdout == ""
+
+
+def test_a_replay_file_saved_with_a_byte_order_mark_or_crlf_line_ends_reads_as_written(tmp_path):
+    """tg63: a replay file saved by a Windows editor (UTF-8 with a BOM, CRLF) was refused, ``is not JSON:
+    Unexpected UTF-8 BOM (decode using utf-8-sig)``: the text is the same file's; JSON allows a reader to skip
+    the mark. A non-ASCII text in it (a note) is read as UTF-8 whatever the locale."""
+    text = open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json"), encoding="utf-8").read()
+    doc = json.loads(text)
+    doc["note"] = "vérifié"
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(doc, indent=2, ensure_ascii=False).replace("\n", "\r\n").encode())
+    result = invoke("report", str(path))
+    assert result.exit_code == 0, result.output
+    from kvaudit import replay
+    assert replay.load(str(path))[3]["note"] == "vérifié"
 
 
 def test_replay_of_a_missing_file_exits_2(tmp_path):
@@ -691,6 +722,31 @@ def test_replay_update_records_the_release_it_re_recorded_on(tmp_path, monkeypat
     assert list(json.loads(stale.read_text()))[:3] == ["format", "config", "engine_version"]  # where to_doc puts it
     assert fresh.read_text() == open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")).read()
     assert json.loads(other.read_text())["engine_version"] == "9.9"  # the same frames, now of 9.9
+
+
+def test_replay_update_says_when_the_signature_the_file_records_changes(tmp_path):
+    """tg63: a file whose recorded ``signature`` text differs from the one its findings now make (written by an
+    older kvaudit, or edited by hand) was rewritten with the new signature and the line said only ``updated: 1
+    finding(s) re-recorded``: the signature a CI or a suppression names changed without a word."""
+    path, doc = _stale_copy(tmp_path, "overlap-abort-double-free.json")
+    now = [f["signature"] for f in doc["findings"]]
+    doc["findings"][0]["signature"] = "use-after-free/old/signature"
+    path.write_text(json.dumps(doc))
+    result = invoke("replay", "--update", str(path))
+    assert result.exit_code == 0, result.output
+    was = ", ".join(["use-after-free/old/signature"] + now[1:])
+    assert f"(signatures were {was}; now {', '.join(now)})" in result.stdout
+    assert [f["signature"] for f in json.loads(path.read_text())["findings"]] == now
+
+
+def test_replay_update_keeps_the_file_s_permissions(tmp_path):
+    """tg63: a reproducer kept private (chmod 600) came back 644 from --update, the new file made with the
+    umask's mode; a report written over an existing file keeps that file's permissions."""
+    path, _ = _stale_copy(tmp_path, "overlap-abort-double-free.json")
+    path.chmod(0o600)
+    result = invoke("replay", "--update", str(path))
+    assert result.exit_code == 0 and ": updated: " in result.stdout, result.output
+    assert path.stat().st_mode & 0o777 == 0o600
 
 
 def test_replay_update_leaves_a_file_that_no_longer_reproduces(tmp_path):

@@ -522,3 +522,78 @@ def test_a_known_fixed_bug_found_again_is_exported_as_that_bug(tmp_path, recorde
     issue = (tmp_path / "i.md").read_text()
     assert ("Fixed upstream in vLLM 0.16.0 (vllm-project/vllm#33377); upgrade." in issue) == (recorded == "0.15.1")
 
+
+
+@pytest.mark.parametrize("names", [True, False], ids=["names-its-release", "names-none"])
+def test_a_history_bug_s_replay_line_says_whether_the_file_names_its_release(tmp_path, names):
+    """tg63: the issue of corpora/vllm/history/vllm-33377.json (``"engine_version": "0.15.1"``) said "Replay on
+    vLLM 0.15.1 (the file does not name the release; ...)": it does, and a reader believed the file."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "history", "vllm-33377.json")))
+    assert doc["engine_version"] == "0.15.1"
+    if not names:
+        del doc["engine_version"]
+    src = tmp_path / "history" / "vllm-33377.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in (tmp_path / "i.md").read_text().splitlines() if ln.startswith("- Replay on "))
+    assert line.startswith("- Replay on vLLM 0.15.1 (" + ("the release the file was recorded on; on 0.16.0 it replays "
+                                                        "clean)" if names else "the file does not name the release; "
+                                                        "on 0.16.0 it replays clean)")), line
+
+
+def test_a_message_with_quotes_backslashes_or_control_characters_exports_a_client_that_compiles(tmp_path):
+    """tg63: the client's docstring opens with the title, which (without an analysis) quotes the finding's
+    message: a message holding ``\"\"\"`` or a backslash (``\\x`` with no hex after it, ``\\N``) made a script
+    that does not compile, and an escape sequence or a NUL went raw into the script and the issue."""
+    import warnings
+
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")))
+    doc["findings"][0]["message"] = 'held """ \\x \\N{ \\ \x1b[2J \x00 end"'
+    src = tmp_path / 'odd "q" \\.json'
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
+               "--no-resolve")
+    assert r.exit_code == 0, r.output
+    script, issue = (tmp_path / "c.py").read_text(), (tmp_path / "i.md").read_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (an invalid escape such as "\." warns, a later Python refuses it)
+        code = compile(script, "c.py", "exec")
+    shown = 'held """ \\x \\N{ \\ \\x1b[2J \\x00 end"'
+    assert shown in code.co_consts[0]  # the docstring reads as the message, its controls escaped
+    assert shown in issue
+    for text in (script, issue):
+        assert "\x1b" not in text and "\x00" not in text
+
+
+def test_a_message_of_several_lines_gives_the_issue_a_one_line_title(tmp_path):
+    """tg63: a crash's message is the exception's (``AssertionError: ...`` with the lines an assertion message
+    spans): the issue's ``# title`` took its first line only and the rest fell into the body as loose text."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")))
+    doc["findings"][0]["message"] = "blocks held\n  by req-1\r\n\tafter free"
+    src = tmp_path / "multi.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
+               "--no-resolve")
+    assert r.exit_code == 0, r.output
+    first = (tmp_path / "i.md").read_text().splitlines()[0]
+    assert first.startswith("# [planted fault, not a vLLM bug] leak in block_pool at ") and \
+        first.endswith(": blocks held by req-1 after free"), first
+    assert first[2:] in (tmp_path / "c.py").read_text().splitlines()[1]
+
+
+def test_an_op_the_client_ignores_is_said_to_send_nothing_once(tmp_path):
+    """tg63: an open_session on a vLLM preset read "nothing sent for `open_session()` (nothing sent: on a ...)" in the
+    issue, and "# nothing to send: nothing sent: ..." in the script."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")))
+    doc["program"][1:1] = [{"op": "open_session"}, {"op": "close_session", "handle": 0}]
+    src = tmp_path / "sessions.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
+               "--no-resolve")
+    assert r.exit_code == 0, r.output
+    issue, script = (tmp_path / "i.md").read_text(), (tmp_path / "c.py").read_text()
+    assert "- op 1: nothing sent for `open_session()` (on a streaming_sessions preset" in issue
+    assert "- op 2: nothing sent for `close_session(handle=0)` (on a streaming_sessions preset" in issue
+    assert "nothing sent: " not in issue and "nothing sent: " not in script

@@ -855,3 +855,24 @@ def test_a_timeline_of_a_target_whose_is_idle_raises_ends_at_its_crash(program_e
     assert timeline.is_valid(t), t
     if program_ends_idle:
         assert [f.kind for f in found] == ["crash"], found
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log", "terminal"])
+def test_control_characters_a_replay_file_holds_are_shown_escaped_not_sent_to_the_terminal(tmp_path, terminal):
+    """tg63: a reproducer from a colleague whose message or frame holds ``\\u001b[2J`` (clear the screen) or a
+    NUL: ``kvaudit report`` printed them raw, so the file drove the reader's terminal. They are shown as
+    ``\\x1b``; the file's own data (its --json) keeps them as written, and rich's styles still reach a terminal."""
+    doc = json.load(open(os.path.join(REGRESSIONS, "aborted-kv-inserted.json")))
+    doc["findings"][0]["message"] = "req:x \x1b[2J cleared \x00 nul \x9b csi [bold]kept[/]"
+    doc["findings"][0]["alloc_sites"][0]["source"] = "x = 1  \x1b]0;title"
+    src = tmp_path / "odd.json"
+    src.write_text(json.dumps(doc))
+    env = {"FORCE_COLOR": "1", "COLUMNS": "300"} if terminal else {"NO_COLOR": "1", "FORCE_COLOR": None}
+    r = invoke("report", str(src), "--json", str(tmp_path / "out.json"), env=env)
+    assert r.exit_code == 0, r.output
+    assert ("\x1b[" in r.stdout) == terminal  # (rich's own styles)
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout)  # (less rich's styles: a terminal splits the source line)
+    assert "req:x \\x1b[2J cleared \\x00 nul \\x9b csi [bold]kept[/]" in shown
+    assert "x = 1  \\x1b]0;title" in shown
+    assert "\x1b" not in shown and "\x00" not in shown and "\x9b" not in shown
+    assert json.load(open(tmp_path / "out.json"))["findings"][0]["message"] == doc["findings"][0]["message"]

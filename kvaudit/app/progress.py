@@ -8,13 +8,16 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from rich.console import Console
+from rich.console import Console, RenderHook
+from rich.measure import Measurement
+from rich.segment import Segment
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
 from kvaudit.app.budget import duration
+from kvaudit.config import shown_controls
 
 if TYPE_CHECKING:
     from kvaudit.search.fuzz import FuzzStats
@@ -26,7 +29,34 @@ def console(stderr: bool = False) -> Console:
     status, ``campaign status --watch``) is as plain as the reports, which print no control codes then."""
     probe = Console(stderr=stderr)
     width = None if probe.is_terminal else _columns()
-    return Console(stderr=stderr, highlight=False, width=width, color_system=None if probe.no_color else "auto")
+    out = Console(stderr=stderr, highlight=False, width=width, color_system=None if probe.no_color else "auto")
+    out.push_render_hook(_ShowControls())
+    return out
+
+
+class _Escaped:
+    """``inner`` rendered with the control characters of its text (a replay file's message, a frame's source
+    line: anything read from a file) shown as ``\\x1b``, so that they cannot drive the terminal; rich's own
+    control segments (styles, a live display's cursor moves) pass as they are."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __rich_console__(self, console, options):
+        for seg in console.render(self.inner, options):
+            if seg.control is None and shown_controls(seg.text) != seg.text:
+                seg = Segment(shown_controls(seg.text), seg.style)
+            yield seg
+
+    def __rich_measure__(self, console, options):
+        return Measurement.get(console, options, self.inner)
+
+
+class _ShowControls(RenderHook):
+    """Every renderable a console prints, :class:`_Escaped`."""
+
+    def process_renderables(self, renderables):
+        return [_Escaped(r) for r in renderables]
 
 
 def _columns() -> int:

@@ -10,6 +10,7 @@ import importlib.resources
 import re
 
 from kvaudit.audit.kinds import lookup
+from kvaudit.config import shown_controls
 from kvaudit.export.http_api import export_for
 from kvaudit.export.plan import Call, Plan
 
@@ -101,6 +102,13 @@ def results_lines(expect: str, unseen: str | None = None, unsent: str | None = N
             "  (no RESULT)     exit 2: no server answers, or bad arguments"]
 
 
+def _docstring(text: str) -> str:
+    """``text`` (a title quoting a finding's message, a file name) as a docstring that reads as ``text``: its
+    backslashes and triple quotes escaped, so that none ends the string or makes an escape (``\\N``, ``\\x``), and
+    its control characters shown (:func:`kvaudit.config.shown_controls`; a NUL is no Python source)."""
+    return '"""' + shown_controls(text).replace("\\", "\\\\").replace('"""', '\\"\\"\\"') + '"""'
+
+
 def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str, server: str,
                   env: list[str], hold_tokens: int = 256, planted: str | None = None,
                   pool_blocks: int | None = None, max_model_len: int | None = None,
@@ -156,7 +164,7 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
         body.append("    pass")
     core = CORE.replace("        self.lock = threading.Lock()\n",
                         "        self.lock = threading.Lock()\n" + part.init)
-    return ("#!/usr/bin/env python3\n" + "\n".join(doc) + "\n" + IMPORTS + part.imports + "\n\n" +
+    return ("#!/usr/bin/env python3\n" + _docstring("\n".join(doc)[3:-3]) + "\n" + IMPORTS + part.imports + "\n\n" +
             "\n".join(consts) + "\n\n" + core + part.api + CORE_TAIL + "\n" + "\n".join(body) + "\n" +
             part.funcs + MAIN)
 

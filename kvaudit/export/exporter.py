@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from kvaudit.config import json_value
+from kvaudit.config import json_value, shown_controls
 from kvaudit.export.client import expected_line, render_client
 from kvaudit.export.http_api import apis, export_for
 from kvaudit.export.issue import render_issue, title_of
@@ -107,7 +107,7 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
                             client_name=os.path.basename(client_out) if client_out else None, launch=launch,
                             env=env, unmapped=unmapped, expected=expected_line(kind, server, target, unseen),
                             planted=planted, release=release, unseen=unseen, unsent=unsent)
-        issue_path = write_text_atomic(issue_out, text)
+        issue_path = write_text_atomic(issue_out, shown_controls(text))  # (a message's escape codes: shown)
     return Exported(issue_path, client_path, plan.exact, plan.traced, unsent)
 
 

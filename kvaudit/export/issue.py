@@ -45,14 +45,15 @@ def _finding(f: Finding, package: str) -> list[str]:
 
 
 def title_of(findings: list[Finding], note: Note | None) -> str:
-    """The report's title: the note's, else the first finding's kind and innermost function."""
+    """The report's title: the note's, else the first finding's kind and innermost function, and its message on
+    one line (a crash's exception message can span several)."""
     if note is not None:
         return note.title
     if not findings:
         return "kvaudit: a program with no recorded finding"
     f = findings[0]
     fn = next((s.function for _, frames in finding_stacks(f) for s in frames), "?")
-    return f"{f.kind} in {f.pool} at {fn}: {_clipped(f.message, 80)}"
+    return f"{f.kind} in {f.pool} at {fn}: {_clipped(' '.join(f.message.split()), 80)}"  # (one line: a heading)
 
 
 def _clipped(text: str, width: int) -> str:
@@ -168,9 +169,10 @@ def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str
                f"is not yet shown to be {api.engine}'s defect rather than one of kvaudit's driver or stand-ins; "
                "triage it before filing."] if not triaged and planted is None else []),
             f"- Replay: `kvaudit replay {source}`." if release is None else
-            f"- Replay on {api.engine} {release[0]} (" + ("the release the file was recorded on" if release[1] is None
-                                                          else f"the file does not name the release; on {release[1]} "
-                                                          "it replays clean") +
+            f"- Replay on {api.engine} {release[0]} (" + (
+                "the release the file was recorded on" if doc.get("engine_version") == release[0] or release[1] is None
+                else "the file does not name the release") +
+            (f"; on {release[1]} it replays clean" if release[1] is not None else "") +
             f"): `python -m kvaudit.history.releases {package}=={release[0]}` installs it as an overlay, then "
             f"`PYTHONPATH=~/.cache/kvaudit/releases/{package}-{release[0]} kvaudit replay {source}`."]
 

@@ -102,9 +102,17 @@ def program_to_json(ops: list[Op]) -> list[dict]:
 
 
 def program_from_json(data: object) -> list[Op]:
+    """A replay file's ``program`` (a list of op objects) as ops. Raises :class:`ProgramError` with one line,
+    naming the op by its index (``op #3: ...``) where one is bad."""
     if not isinstance(data, list):
         raise ProgramError("program must be a list of ops")
-    return [op_from_dict(d) for d in data]
+    ops = []
+    for i, d in enumerate(data):
+        try:
+            ops.append(op_from_dict(d))
+        except ProgramError as e:  # (numbered as reports number ops: "detected after op #5")
+            raise ProgramError(f"op #{i}: {e}") from None
+    return ops
 
 
 def format_op(op: Op) -> str:

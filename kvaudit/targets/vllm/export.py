@@ -52,12 +52,12 @@ API = EngineApi(
                                True, "needs VLLM_SERVER_DEV_MODE=1; a deferred flush (timeout) does not exist "
                                      "in vLLM and is sent at once"),
         "open_session": ApiCall(None, None, "(none)", True,
-                                "nothing sent: on a streaming_sessions preset the target opens a vLLM streaming-"
+                                "on a streaming_sessions preset the target opens a vLLM streaming-"
                                 "input session (its chunks resumable requests, as AsyncLLM takes an input stream), "
                                 "whose chunks the script sends as plain requests; elsewhere the target ignores the "
                                 "op (CompletionRequest.session_id is only a routing label)"),
         "close_session": ApiCall(None, None, "(none)", True,
-                                 "nothing sent: on a streaming_sessions preset the target ends the session's input "
+                                 "on a streaming_sessions preset the target ends the session's input "
                                  "(a final, non-resumable request); elsewhere ignored"),
         "memory_pressure": ApiCall(None, None, "(no API)", False,
                                    "the target evicts every cached block nobody holds "
