@@ -30,9 +30,10 @@ def fd_link(path: str) -> str | None:
 def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
     """Write ``data`` to ``path`` via a temporary file, fsync and ``os.replace``: a reader sees the old
     file or the whole new one (``durable`` False: no fsync, whole after a process crash only). A missing
-    directory is made; a file written over keeps its permissions, a new one has the umask's. A symbolic link stays one: the file it names is the one replaced (or made). Raises
-    OSError, naming ``path`` where the failure was the file's (a full disk at the write, fsync or close of
-    the temporary, which names no file or the temporary)."""
+    directory is made; a file written over keeps its permissions, a new one has the umask's. A symbolic
+    link stays one: the file it names is the one replaced (or made). Raises OSError, naming ``path`` where
+    the failure was the file's (a full disk at the write, fsync or close of the temporary, which names no
+    file or the temporary)."""
     target = os.path.realpath(path)  # NOTE: not abspath: it folds link/.. lexically (mkstemp too)
     d = os.path.dirname(target)
     os.makedirs(d, exist_ok=True)

@@ -950,3 +950,23 @@ def test_ci_over_a_kind_without_regressions_says_so_in_words(tmp_path, fresh_reg
     assert r.exit_code == 0, r.output + r.stderr
     first = r.stderr.splitlines()[0]
     assert first.startswith("kvaudit ci: no regression files (none for this target); fuzz "), first
+
+
+@pytest.mark.parametrize("command", ["replay", "minimize"])
+def test_a_replay_file_whose_engine_is_missing_says_the_file_chose_the_target(monkeypatch, tmp_path, command):
+    """``kvaudit replay F`` of an SGLang file without SGLang said only ``--target sglang needs SGLang ...``: a flag
+    the user never gave. The line names the file that chose the target first (tg63)."""
+    from kvaudit.targets import registry
+
+    def missing(config):
+        raise registry.TargetUnavailable("--target sglang needs SGLang, which is not installed")
+
+    real = registry.kind_of
+    monkeypatch.setattr(registry, "kind_of", lambda config: type("K", (), {"probe": staticmethod(missing),
+                                                                           "name": real(config).name})())
+    path = os.path.join(ROOT, "corpora", "sglang", "hang-pd-prealloc-never-fits.json")
+    extra = ["-o", str(tmp_path / "m.json")] if command == "minimize" else []
+    r = invoke(command, path, *extra)
+    assert r.exit_code == 2, r.output
+    assert one_error_line(r) == (f"kvaudit: error: {path} was recorded on --target sglang: --target sglang needs "
+                                 "SGLang, which is not installed"), r.output

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from kvaudit.app.errors import InputError, UnavailableError
-from kvaudit.config import UnknownPresetError, json_value
+from kvaudit.config import UnknownPresetError, json_value, shown_path
 from kvaudit.search import fuzzers
 from kvaudit.targets import make_target, registry
 
@@ -82,15 +82,17 @@ def common_options(f):
     return f
 
 
-def require_target(config) -> None:
+def require_target(config, recorded_in: str | None = None) -> None:
     """Raises :class:`InputError` unless the config's engine can run here (its kind's ``probe``), and
     :class:`kvaudit.targets.registry.TargetDefinitionError` unless a plugin kind's target, built once now,
-    keeps the target API (the built-in kinds' tests hold theirs): each a one-line error."""
+    keeps the target API (the built-in kinds' tests hold theirs): each a one-line error. ``recorded_in``: the
+    replay file ``config`` came from, named first (the user gave no ``--target``: the file did)."""
     try:
         kind = registry.kind_of(config)
         kind.probe(config)
     except (registry.TargetUnavailable, registry.UnknownTargetError) as e:
-        raise InputError(str(e)) from None
+        where = f"{shown_path(recorded_in)} was recorded on --target {config.target}: " if recorded_in else ""
+        raise InputError(where + str(e)) from None
     if kind.name in registry.BUILTIN_KINDS:
         return
     target = make_target(config)  # (TargetDefinitionError: one line, exit 2, a constructor's error among them)

@@ -36,7 +36,7 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
                          "minimize it without that rule")
     out_file = out_file or (file[:-5] if file.endswith(".json") else file) + ".min.json"
     check_paths((file,), output=out_file)  # the same checks as the report flags, named as the flag
-    require_target(config)  # last: a real engine's probe imports it (seconds)
+    require_target(config, recorded_in=file)  # last: a real engine's probe imports it (seconds)
     console, err = make_console(), make_console(stderr=True)
     fresh = (lambda: sset.fresh()) if sset is not None else (lambda: None)
     err.print(f"minimizing {len(program)} ops of {shown_path(file)}, keeping {signature}", soft_wrap=True)

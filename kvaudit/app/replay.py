@@ -37,7 +37,7 @@ def load_replay(file: str, suppress_file: str | None, tree_core: str | None = No
     sset = load_suppressions(suppress_file)
     check_device(config.device)
     if probe:
-        require_target(config)
+        require_target(config, recorded_in=file)
     return config, program, recorded, sset, search_facts(doc)
 
 
