@@ -58,8 +58,10 @@ def main() -> None:
         sys.exit(130)
     if not (runs_engine and args[0] in GUARDED):  # those keep the guard until they take both themselves
         for sig, handler in previous.items():
-            # SIGTERM stays Ctrl-C's (replay, report, export: `kvaudit: interrupted`, 130), not a kill
-            signal.signal(sig, _sigterm_as_ctrl_c if sig == signal.SIGTERM and handler == signal.SIG_DFL else handler)
+            # both stay Ctrl-C's (replay, report, export: `kvaudit: interrupted`, 130): SIGTERM is not a kill, and
+            # neither is ignored where the process began with it ignored (a script's background job, `kvaudit
+            # replay F &`, starts with SIGINT ignored), as the guard and the commands that take both do not
+            signal.signal(sig, handler if callable(handler) else _as_ctrl_c)
     try:
         cli_main(obj={"process_start": started, CHECK_ONLY: refused})  # (refused: no callback imports the engine)
     except SystemExit as e:
@@ -87,7 +89,7 @@ def _disk_full(e: SystemExit) -> SystemExit:
     return SystemExit(74)
 
 
-def _sigterm_as_ctrl_c(signum, frame):
+def _as_ctrl_c(signum, frame):
     raise KeyboardInterrupt
 
 
