@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from kvaudit.app.interrupts import write_startup_reports  # standard library only: loaded before the guard
+from kvaudit.app.interrupts import end_echoed_line, write_startup_reports  # standard library only: before the guard
 
 HEAVY = ("fuzz", "replay", "minimize", "ci", "bench", "report")  # commands that import torch and Hypothesis
 GUARDED = ("fuzz", "minimize", "ci", "bench")  # commands that take Ctrl-C and SIGTERM themselves (restoring_sigint)
@@ -30,16 +30,16 @@ def main() -> None:
 
     def on_sigint(signum, frame):
         hit.append(signum)
+        end_echoed_line(signum)
         raise KeyboardInterrupt
 
     args = sys.argv[1:]
     runs_engine = bool(args) and args[0] in HEAVY and not {"-h", "--help"} & set(args)
-    previous = {}
     try:
         # SIGTERM (timeout, Kubernetes, the Actions runner) as Ctrl-C: the commands take both alike; installed
         # inside the try, since a signal can land as soon as its handler is in (before the next line)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, on_sigint)
+            signal.signal(sig, on_sigint)
         from kvaudit.cli import CHECK_ONLY, main as cli_main, parses
         refused = runs_engine and not parses(args)  # bad input is refused before the engine is imported
         runs_engine = runs_engine and not refused
@@ -57,11 +57,11 @@ def main() -> None:
         sys.stderr.write("kvaudit: interrupted\n")
         sys.exit(130)
     if not (runs_engine and args[0] in GUARDED):  # those keep the guard until they take both themselves
-        for sig, handler in previous.items():
+        for sig in (signal.SIGINT, signal.SIGTERM):
             # both stay Ctrl-C's (replay, report, export: `kvaudit: interrupted`, 130): SIGTERM is not a kill, and
             # neither is ignored where the process began with it ignored (a script's background job, `kvaudit
-            # replay F &`, starts with SIGINT ignored), as the guard and the commands that take both do not
-            signal.signal(sig, handler if callable(handler) else _as_ctrl_c)
+            # replay F &`, starts with SIGINT ignored), as in start-up and in the commands that take both
+            signal.signal(sig, _as_ctrl_c)  # (not Python's own for SIGINT: it leaves the echoed ^C's line open)
     try:
         cli_main(obj={"process_start": started, CHECK_ONLY: refused})  # (refused: no callback imports the engine)
     except SystemExit as e:
@@ -90,6 +90,7 @@ def _disk_full(e: SystemExit) -> SystemExit:
 
 
 def _as_ctrl_c(signum, frame):
+    end_echoed_line(signum)
     raise KeyboardInterrupt
 
 

@@ -1040,3 +1040,75 @@ def test_ci_interrupted_in_a_clean_fuzz_has_no_passing_case_and_its_html_and_jso
     assert "Interrupted: no findings in the part that ran." in page and "No findings." not in page
     assert ", clean</title>" not in page and ", interrupted</title>" in page
     assert json.loads((tmp_path / "ci.json").read_text())["interrupted"] is True
+
+
+# -- Ctrl-C typed on a terminal ------------------------------------------------------------------------
+
+HOLD_IMPORTS = '''
+import sys
+import time
+
+import kvaudit.entry as e
+
+
+def held(*a, **k):  # inside the entry point's guard, after the engine's imports
+    print("TEST-HOLD: imports held", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
+
+
+e.one_torch_thread = held
+'''
+
+
+def ctrl_c_on_a_terminal(tmp_path, args, hold: str, text: str) -> tuple[int, str]:
+    """Run the console script on a pseudo-terminal (its controlling terminal, as in a shell); once ``text`` is
+    shown, type Ctrl-C there: the terminal echoes ``^C`` and sends SIGINT. (exit code, everything shown)."""
+    import pty
+    import select
+
+    hold_dir = tmp_path / "hold"
+    hold_dir.mkdir()
+    (hold_dir / "sitecustomize.py").write_text(hold)
+    env = plain_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hold_dir), env.get("PYTHONPATH")) if p)
+    script = kvaudit_script()
+    pid, fd = pty.fork()
+    if pid == 0:  # (the child only execs)
+        os.execve(script, [script, *args], env)
+    shown, typed, deadline = b"", False, time.monotonic() + LIMIT_S
+    try:
+        while time.monotonic() < deadline:  # a limit, not a sleep: select returns as soon as output comes
+            if select.select([fd], [], [], 1)[0]:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # EIO: the child is gone and the terminal closed
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            if not typed and text.encode() in shown:
+                os.write(fd, b"\x03")
+                typed = True
+    finally:
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        os.close(fd)
+    assert typed, shown.decode(errors="replace")[-2000:]
+    return code, shown.decode(errors="replace")
+
+
+@pytest.mark.parametrize("args, hold, text", [
+    (["replay", os.path.join(REGRESSIONS, f"{BUG}.json")], HOLD_IMPORTS, "TEST-HOLD: imports held"),
+    (["replay", os.path.join(REGRESSIONS, f"{BUG}.json"), "--check-determinism"], REPLAY_HELD, "TEST-HOLD: replay"),
+    (["fuzz", "--max-time", "60", "--out", "OUT"], HOLD_START_UP, "TEST-HOLD: start-up held"),
+], ids=["entry-guard", "replay", "fuzz"])
+def test_ctrl_c_on_a_terminal_leaves_its_echoed_caret_c_on_a_line_of_its_own(tmp_path, args, hold, text):
+    """The terminal echoes ``^C`` with no newline: stop 62 showed ``^Ckvaudit: interrupted`` (tester 63). Each
+    handler kvaudit installs (the entry point's guard, Ctrl-C's after start-up, the commands' own) ends that line."""
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    code, shown = ctrl_c_on_a_terminal(tmp_path, args, hold, text)
+    assert code == 130, shown[-2000:]
+    assert "^C\r\n" in shown and "kvaudit: interrupted\r\n" in shown, repr(shown[-500:])
+    assert "\r\nkvaudit: interrupted\r\n" in shown and "Traceback" not in shown, repr(shown[-500:])

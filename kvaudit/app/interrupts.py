@@ -55,6 +55,24 @@ def ignore_interrupts(clear: bool = False) -> None:
         INTERRUPTED.clear()
 
 
+def end_echoed_line(signum: int) -> None:
+    """A Ctrl-C typed on a terminal echoes ``^C`` with no newline after it: end that line on standard error, so
+    the next one starts on its own (``kvaudit: interrupted``, not ``^Ckvaudit: interrupted``). Only for SIGINT,
+    and only where standard error is a terminal that echoes control characters (SIGTERM echoes nothing, a log
+    none). ``os.write``: safe inside a signal handler, whatever print it cut into. Never raises."""
+    import os
+    import termios
+
+    if signum != signal.SIGINT:
+        return
+    try:
+        lflag = termios.tcgetattr(2)[3]  # (not a terminal, or closed: termios.error, OSError)
+        if lflag & termios.ECHO and lflag & termios.ECHOCTL:
+            os.write(2, b"\n")
+    except (termios.error, OSError, ValueError):
+        pass
+
+
 def catch_sigint() -> None:
     """Ctrl-C and SIGTERM raise KeyboardInterrupt and set :data:`runner.INTERRUPTED`, which the next op
     checks: an interrupt swallowed inside a library callback still stops the run."""
@@ -62,6 +80,7 @@ def catch_sigint() -> None:
 
     def handler(signum, frame):
         INTERRUPTED.set()
+        end_echoed_line(signum)
         raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
