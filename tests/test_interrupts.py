@@ -950,6 +950,27 @@ def test_ci_interrupted_before_its_job_began_in_process_writes_its_junit(tmp_pat
     assert json.loads((tmp_path / "ci.sarif").read_text())["runs"][0]["invocations"][0]["executionSuccessful"] is False
 
 
+def test_ci_interrupted_before_its_job_began_writes_its_json_too(tmp_path, monkeypatch):
+    """Stop 62: `ci --json` was not written when interrupted before the job began (its JUnit, SARIF and HTML
+    were: the start-up reports took ci for a command without --json). Now the same file as fuzz's, with ci's
+    "job", which `kvaudit report` reads as nothing recorded (exit 5), not as a broken file."""
+    import kvaudit.app.configs as configs
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(configs, "check_fuzzer", interrupted)
+    doc = tmp_path / "ci.json"
+    r = invoke("ci", "--max-time", "60", "--json", str(doc), "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 130, r.output
+    assert r.stderr.splitlines() == [f"reports written, each saying nothing was checked (interrupted during "
+                                     f"start-up): {doc}, {tmp_path / 'ci.xml'}", "kvaudit: interrupted"]
+    written = json.loads(doc.read_text())
+    assert written["interrupted"] is True and written["executions"] == 0 and written["job"] == "kvaudit ci"
+    r = invoke("report", str(doc))
+    assert r.exit_code == 5 and "nothing recorded" in r.stderr, r.output
+
+
 def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
     from kvaudit.app.interrupts import startup_report_paths as ci_report_paths, write_startup_reports
     from kvaudit.reports import ci_outputs
@@ -959,7 +980,7 @@ def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
         {"junit": "a.xml", "sarif": "b.sarif"}  # --out's value is '--sarif'; the last --sarif wins
     assert ci_report_paths(["ci", "--", "--junit", "a.xml"]) == {}
     assert ci_report_paths(["bench", "--json", "a.json"]) == ci_report_paths(["ci", "--help", "--junit", "a"]) == {}
-    assert ci_report_paths(["ci", "--json", "a.json"]) == {}  # (ci has no --json)
+    assert ci_report_paths(["ci", "--json", "a.json"]) == {"json": "a.json"}
     assert ci_report_paths(["ci", "--html", "a.html"]) == {"html": "a.html"}
     # fuzz's flags take no value: the report after one is still read
     assert ci_report_paths(["fuzz", "--no-seeds", "--json", "a.json", "--paranoid", "--sarif", "b"]) == \
