@@ -147,18 +147,33 @@ def one_torch_thread() -> None:
 
 
 def _exit(e: SystemExit) -> None:
-    """Leave with ``e``'s code, skipping the interpreter's slow teardown of torch: run the atexit
-    handlers, flush, ``os._exit``. Returns (a normal exit follows) when torch was not imported, the
+    """Leave with ``e``'s code, skipping the interpreter's slow teardown of torch: flush, run the atexit
+    handlers (a first SIGINT or SIGTERM meanwhile is let pass, a second leaves at once), flush, ``os._exit``. Returns (a normal exit follows) when torch was not imported, the
     code is not a number, or a non-daemon thread must still be joined."""
     code = 0 if e.code is None else e.code
     if "torch" not in sys.modules or not isinstance(code, int):
         return
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         return
+    _flush()
+
+    came = []
+
+    def late(signum, frame):  # the run is done, its code decided: a Ctrl-C now is no traceback in an atexit
+        if came:              # handler (torch's); they go on (temporary directories), unless a second one comes
+            os._exit(code)
+        came.append(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, late)
     atexit._run_exitfuncs()
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):  # a closed pipe (| head), a closed descriptor (None)
             pass
-    os._exit(code)

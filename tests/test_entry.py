@@ -180,6 +180,27 @@ def test_a_finished_command_skips_teardown_but_runs_atexit_and_flushes():
     assert r.stdout.rstrip().splitlines()[-2].startswith("recorded signature(s) reproduced: yes"), r.stdout[-500:]
 
 
+@pytest.mark.parametrize("command, signals", [("replay", 1), ("minimize", 1), ("replay", 2)])
+def test_a_signal_after_the_command_is_done_leaves_with_its_code_and_no_traceback(tmp_path, command, signals):
+    """Ctrl-C as a run ends (its reports written, the atexit handlers running: torch's among them) printed
+    "Exception ignored in atexit callback" and a traceback ending in the entry point's handler (tester 63).
+    The run's code is decided by then: one signal is let pass (the handlers go on: temporary directories), a
+    second leaves at once. The atexit handler below signals its own process, which runs the handler before
+    its next line."""
+    code = ("import atexit, os, signal, sys\n"
+            f"def late():\n    for _ in range({signals}):\n        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    print('the handlers went on', file=sys.stderr)\n"
+            "atexit.register(late)\n"
+            f"sys.argv = ['kvaudit', {command!r}, {REGRESSION!r}, *(['-o', {str(tmp_path / 'm.json')!r}] "
+            f"if {command!r} == 'minimize' else [])]\n"
+            "from kvaudit.entry import main\nmain()\n")
+    r = _python("-c", code)
+    assert r.returncode == (1 if command == "replay" else 0), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+    assert ("the handlers went on" in r.stderr) is (signals == 1), r.stderr[-2000:]
+    assert "SUMMARY: kvaudit: " in r.stdout, r.stdout[-500:]  # (flushed before the handlers)
+
+
 def test_a_command_that_imported_no_torch_exits_normally():
     code = ("import sys\n"
             "class Teardown:\n    def __del__(self):\n        print('module teardown ran', flush=True)\n"
