@@ -55,6 +55,7 @@ def main() -> None:
     if hit:
         write_startup_reports(args)  # `ci` writes its JUnit and SARIF from the first line
         sys.stderr.write("kvaudit: interrupted\n")
+        _exit(SystemExit(130), fast=True)  # (no teardown of what was half-imported: a second signal kills it)
         sys.exit(130)
     if not (runs_engine and args[0] in GUARDED):  # those keep the guard until they take both themselves
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -66,7 +67,7 @@ def main() -> None:
         cli_main(obj={"process_start": started, CHECK_ONLY: refused})  # (refused: no callback imports the engine)
     except SystemExit as e:
         e = _disk_full(e)
-        _exit(e)
+        _exit(e, fast=runs_engine)
         raise e from None
 
 
@@ -146,12 +147,15 @@ def one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _exit(e: SystemExit) -> None:
+def _exit(e: SystemExit, fast: bool = False) -> None:
     """Leave with ``e``'s code, skipping the interpreter's slow teardown of torch: flush, run the atexit
-    handlers (a first SIGINT or SIGTERM meanwhile is let pass, a second leaves at once), flush, ``os._exit``. Returns (a normal exit follows) when torch was not imported, the
-    code is not a number, or a non-daemon thread must still be joined."""
+    handlers (a first SIGINT or SIGTERM meanwhile is let pass, a second leaves at once), flush, ``os._exit``.
+    Returns (a normal exit follows) when no part of torch was imported (``fast``: a command that imports it,
+    maybe cut short by a signal, leaves so all the same), the code is not a number, or a non-daemon thread
+    must still be joined. (Python's own teardown puts the default action back first: a signal kills it.)"""
     code = 0 if e.code is None else e.code
-    if "torch" not in sys.modules or not isinstance(code, int):
+    # (torch's parts too: an import a signal cut short takes "torch" out of sys.modules, not what it loaded)
+    if not (fast or any(name.partition(".")[0] == "torch" for name in sys.modules)) or not isinstance(code, int):
         return
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         return

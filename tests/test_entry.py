@@ -118,7 +118,7 @@ def test_the_entry_point_hands_the_process_start_to_the_cli(monkeypatch):
     import kvaudit.cli
 
     monkeypatch.setattr(kvaudit.cli, "main", lambda **kw: seen.append(kw) or sys.exit(0))
-    monkeypatch.setattr(entry, "_exit", lambda e: None)  # it would os._exit this test process
+    monkeypatch.setattr(entry, "_exit", lambda e, **k: None)  # it would os._exit this test process
     monkeypatch.setattr(sys, "argv", ["kvaudit", "--version"])
     t = time.monotonic()
     with pytest.raises(SystemExit):
@@ -147,7 +147,7 @@ def test_a_signal_landing_as_soon_as_the_guard_is_installed_exits_130(monkeypatc
         return old
 
     monkeypatch.setattr(kvaudit.cli, "main", lambda **kw: sys.exit(0))
-    monkeypatch.setattr(entry, "_exit", lambda e: None)
+    monkeypatch.setattr(entry, "_exit", lambda e, **k: None)
     monkeypatch.setattr(sys, "argv", ["kvaudit", "--version"])
     monkeypatch.setattr(signal, "signal", landing_at_once)
     code = None
@@ -199,6 +199,30 @@ def test_a_signal_after_the_command_is_done_leaves_with_its_code_and_no_tracebac
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
     assert ("the handlers went on" in r.stderr) is (signals == 1), r.stderr[-2000:]
     assert "SUMMARY: kvaudit: " in r.stdout, r.stdout[-500:]  # (flushed before the handlers)
+
+
+@pytest.mark.parametrize("where", ["after-torch", "before-torch"])
+def test_a_second_signal_while_a_start_up_interrupt_exits_keeps_its_code(tmp_path, where):
+    """Ctrl-C twice, or SIGTERM twice, while a real engine loads: the first printed `kvaudit: interrupted`, then
+    the interpreter's teardown of what was (half-)imported took the second with a traceback, or with the default
+    action once Python had put it back (exit -2, -15: the signal matrix, tester 63). Now the start-up interrupt
+    leaves as a finished command does (`_exit`), torch imported or not yet: the second signal ends it with 130.
+    Below, start-up sends the first signal to its own process (at its last step, or in its first import) and an
+    atexit handler two more (no sleep)."""
+    (tmp_path / "ti63_cut_import.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    cut = ("def interrupted_here():\n    os.kill(os.getpid(), signal.SIGTERM)\n    print('not reached either')\n"
+           "e.one_torch_thread = interrupted_here\n" if where == "after-torch" else
+           f"sys.path.insert(0, {str(tmp_path)!r})\ne._HEAVY_MODULES = ('ti63_cut_import',)\n")
+    code = ("import atexit, os, signal, sys\n"
+            "import kvaudit.entry as e\n"
+            "def late():\n    for _ in range(2):\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    print('not reached', file=sys.stderr)\n"
+            "atexit.register(late)\n" + cut +
+            f"sys.argv = ['kvaudit', 'replay', {REGRESSION!r}]\n"
+            "e.main()\n")
+    r = _python("-c", code)
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert r.stderr == "kvaudit: interrupted\n" and r.stdout == "", r.stderr[-2000:]
 
 
 def test_a_command_that_imported_no_torch_exits_normally():
