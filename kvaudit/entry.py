@@ -148,31 +148,34 @@ def one_torch_thread() -> None:
 
 
 def _exit(e: SystemExit, fast: bool = False) -> None:
-    """Leave with ``e``'s code, skipping the interpreter's slow teardown of torch: flush, run the atexit
-    handlers (a first SIGINT or SIGTERM meanwhile is let pass, a second leaves at once), flush, ``os._exit``.
-    Returns (a normal exit follows) when no part of torch was imported (``fast``: a command that imports it,
-    maybe cut short by a signal, leaves so all the same), the code is not a number, or a non-daemon thread
-    must still be joined. (Python's own teardown puts the default action back first: a signal kills it.)"""
+    """Leave with ``e``'s code: flush, run the atexit handlers (a first SIGINT or SIGTERM meanwhile is let pass,
+    the run's code being decided; a second leaves at once), flush, and skip the interpreter's slow teardown of
+    torch with ``os._exit``. Where no part of torch was imported and not ``fast`` (a command that imports it,
+    maybe cut short by a signal, leaves so all the same), returns for a normal exit with both signals ignored:
+    Python's teardown puts the default action back for a signal with a handler, so one there killed the process
+    (-2, -15). Returns at once when the code is not a number or a non-daemon thread must still be joined."""
     code = 0 if e.code is None else e.code
-    # (torch's parts too: an import a signal cut short takes "torch" out of sys.modules, not what it loaded)
-    if not (fast or any(name.partition(".")[0] == "torch" for name in sys.modules)) or not isinstance(code, int):
+    if not isinstance(code, int):
         return
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         return
     _flush()
-
     came = []
 
-    def late(signum, frame):  # the run is done, its code decided: a Ctrl-C now is no traceback in an atexit
-        if came:              # handler (torch's); they go on (temporary directories), unless a second one comes
+    def late(signum, frame):  # no traceback in an atexit handler (torch's); they go on (temporary directories),
+        if came:              # unless a second one comes
             os._exit(code)
         came.append(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, late)
-    atexit._run_exitfuncs()
+    atexit._run_exitfuncs()  # (run once: the interpreter's exit finds none left)
     _flush()
-    os._exit(code)
+    # (torch's parts too: an import a signal cut short takes "torch" out of sys.modules, not what it loaded)
+    if fast or any(name.partition(".")[0] == "torch" for name in sys.modules):
+        os._exit(code)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _flush() -> None:

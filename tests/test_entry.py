@@ -225,6 +225,24 @@ def test_a_second_signal_while_a_start_up_interrupt_exits_keeps_its_code(tmp_pat
     assert r.stderr == "kvaudit: interrupted\n" and r.stdout == "", r.stderr[-2000:]
 
 
+def test_a_signal_in_the_teardown_of_a_command_without_torch_is_no_kill():
+    """`campaign status --watch` stopped by Ctrl-C twice died of the second (-2; SIGTERM: -15) in the signal
+    matrix (tester 63): a command without torch exits normally, and Python's teardown puts the default action
+    back for a signal with a handler. Now both are ignored there (the run's code is decided). Below, an atexit
+    handler sends SIGINT to its own process, and an object torn down with the modules SIGTERM; each then prints."""
+    code = ("import atexit, os, signal, sys\n"
+            "class Teardown:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        print('teardown went on', flush=True)\n"
+            "sys.modules['__main__'].keep = Teardown()\n"
+            "def late():\n    os.kill(os.getpid(), signal.SIGINT)\n    print('the handlers went on', flush=True)\n"
+            "atexit.register(late)\n"
+            "sys.argv = ['kvaudit', 'presets']\nfrom kvaudit.entry import main\nmain()\n")
+    r = _python("-c", code)
+    assert r.returncode == 0, r.stdout[-500:] + r.stderr[-2000:]
+    assert r.stderr == "", r.stderr[-2000:]
+    assert "the handlers went on\nteardown went on" in r.stdout, r.stdout[-500:]
+
+
 def test_a_command_that_imported_no_torch_exits_normally():
     code = ("import sys\n"
             "class Teardown:\n    def __del__(self):\n        print('module teardown ran', flush=True)\n"
