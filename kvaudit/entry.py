@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from kvaudit.app.interrupts import write_startup_reports  # standard library only: loaded before the guard
+from kvaudit.app.interrupts import end_echoed_line, write_startup_reports  # standard library only: before the guard
 
 HEAVY = ("fuzz", "replay", "minimize", "ci", "bench", "report")  # commands that import torch and Hypothesis
 GUARDED = ("fuzz", "minimize", "ci", "bench")  # commands that take Ctrl-C and SIGTERM themselves (restoring_sigint)
@@ -30,16 +30,16 @@ def main() -> None:
 
     def on_sigint(signum, frame):
         hit.append(signum)
+        end_echoed_line(signum)
         raise KeyboardInterrupt
 
     args = sys.argv[1:]
     runs_engine = bool(args) and args[0] in HEAVY and not {"-h", "--help"} & set(args)
-    previous = {}
     try:
         # SIGTERM (timeout, Kubernetes, the Actions runner) as Ctrl-C: the commands take both alike; installed
         # inside the try, since a signal can land as soon as its handler is in (before the next line)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, on_sigint)
+            signal.signal(sig, on_sigint)
         from kvaudit.cli import CHECK_ONLY, main as cli_main, parses
         refused = runs_engine and not parses(args)  # bad input is refused before the engine is imported
         runs_engine = runs_engine and not refused
@@ -55,16 +55,19 @@ def main() -> None:
     if hit:
         write_startup_reports(args)  # `ci` writes its JUnit and SARIF from the first line
         sys.stderr.write("kvaudit: interrupted\n")
+        _exit(SystemExit(130), fast=True)  # (no teardown of what was half-imported: a second signal kills it)
         sys.exit(130)
     if not (runs_engine and args[0] in GUARDED):  # those keep the guard until they take both themselves
-        for sig, handler in previous.items():
-            # SIGTERM stays Ctrl-C's (replay, report, export: `kvaudit: interrupted`, 130), not a kill
-            signal.signal(sig, _sigterm_as_ctrl_c if sig == signal.SIGTERM and handler == signal.SIG_DFL else handler)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            # both stay Ctrl-C's (replay, report, export: `kvaudit: interrupted`, 130): SIGTERM is not a kill, and
+            # neither is ignored where the process began with it ignored (a script's background job, `kvaudit
+            # replay F &`, starts with SIGINT ignored), as in start-up and in the commands that take both
+            signal.signal(sig, _as_ctrl_c)  # (not Python's own for SIGINT: it leaves the echoed ^C's line open)
     try:
         cli_main(obj={"process_start": started, CHECK_ONLY: refused})  # (refused: no callback imports the engine)
     except SystemExit as e:
         e = _disk_full(e)
-        _exit(e)
+        _exit(e, fast=runs_engine)
         raise e from None
 
 
@@ -87,7 +90,8 @@ def _disk_full(e: SystemExit) -> SystemExit:
     return SystemExit(74)
 
 
-def _sigterm_as_ctrl_c(signum, frame):
+def _as_ctrl_c(signum, frame):
+    end_echoed_line(signum)
     raise KeyboardInterrupt
 
 
@@ -143,19 +147,40 @@ def one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _exit(e: SystemExit) -> None:
-    """Leave with ``e``'s code, skipping the interpreter's slow teardown of torch: run the atexit
-    handlers, flush, ``os._exit``. Returns (a normal exit follows) when torch was not imported, the
-    code is not a number, or a non-daemon thread must still be joined."""
+def _exit(e: SystemExit, fast: bool = False) -> None:
+    """Leave with ``e``'s code: flush, run the atexit handlers (a first SIGINT or SIGTERM meanwhile is let pass,
+    the run's code being decided; a second leaves at once), flush, and skip the interpreter's slow teardown of
+    torch with ``os._exit``. Where no part of torch was imported and not ``fast`` (a command that imports it,
+    maybe cut short by a signal, leaves so all the same), returns for a normal exit with both signals ignored:
+    Python's teardown puts the default action back for a signal with a handler, so one there killed the process
+    (-2, -15). Returns at once when the code is not a number or a non-daemon thread must still be joined."""
     code = 0 if e.code is None else e.code
-    if "torch" not in sys.modules or not isinstance(code, int):
+    if not isinstance(code, int):
         return
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         return
-    atexit._run_exitfuncs()
+    _flush()
+    came = []
+
+    def late(signum, frame):  # no traceback in an atexit handler (torch's); they go on (temporary directories),
+        if came:              # unless a second one comes
+            os._exit(code)
+        came.append(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, late)
+    atexit._run_exitfuncs()  # (run once: the interpreter's exit finds none left)
+    _flush()
+    # (torch's parts too: an import a signal cut short takes "torch" out of sys.modules, not what it loaded)
+    if fast or any(name.partition(".")[0] == "torch" for name in sys.modules):
+        os._exit(code)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):  # a closed pipe (| head), a closed descriptor (None)
             pass
-    os._exit(code)

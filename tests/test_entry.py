@@ -118,7 +118,7 @@ def test_the_entry_point_hands_the_process_start_to_the_cli(monkeypatch):
     import kvaudit.cli
 
     monkeypatch.setattr(kvaudit.cli, "main", lambda **kw: seen.append(kw) or sys.exit(0))
-    monkeypatch.setattr(entry, "_exit", lambda e: None)  # it would os._exit this test process
+    monkeypatch.setattr(entry, "_exit", lambda e, **k: None)  # it would os._exit this test process
     monkeypatch.setattr(sys, "argv", ["kvaudit", "--version"])
     t = time.monotonic()
     with pytest.raises(SystemExit):
@@ -147,7 +147,7 @@ def test_a_signal_landing_as_soon_as_the_guard_is_installed_exits_130(monkeypatc
         return old
 
     monkeypatch.setattr(kvaudit.cli, "main", lambda **kw: sys.exit(0))
-    monkeypatch.setattr(entry, "_exit", lambda e: None)
+    monkeypatch.setattr(entry, "_exit", lambda e, **k: None)
     monkeypatch.setattr(sys, "argv", ["kvaudit", "--version"])
     monkeypatch.setattr(signal, "signal", landing_at_once)
     code = None
@@ -178,6 +178,69 @@ def test_a_finished_command_skips_teardown_but_runs_atexit_and_flushes():
     assert "atexit ran" in r.stdout
     assert "module teardown ran" not in r.stdout
     assert r.stdout.rstrip().splitlines()[-2].startswith("recorded signature(s) reproduced: yes"), r.stdout[-500:]
+
+
+@pytest.mark.parametrize("command, signals", [("replay", 1), ("minimize", 1), ("replay", 2)])
+def test_a_signal_after_the_command_is_done_leaves_with_its_code_and_no_traceback(tmp_path, command, signals):
+    """Ctrl-C as a run ends (its reports written, the atexit handlers running: torch's among them) printed
+    "Exception ignored in atexit callback" and a traceback ending in the entry point's handler (tester 63).
+    The run's code is decided by then: one signal is let pass (the handlers go on: temporary directories), a
+    second leaves at once. The atexit handler below signals its own process, which runs the handler before
+    its next line."""
+    code = ("import atexit, os, signal, sys\n"
+            f"def late():\n    for _ in range({signals}):\n        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    print('the handlers went on', file=sys.stderr)\n"
+            "atexit.register(late)\n"
+            f"sys.argv = ['kvaudit', {command!r}, {REGRESSION!r}, *(['-o', {str(tmp_path / 'm.json')!r}] "
+            f"if {command!r} == 'minimize' else [])]\n"
+            "from kvaudit.entry import main\nmain()\n")
+    r = _python("-c", code)
+    assert r.returncode == (1 if command == "replay" else 0), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+    assert ("the handlers went on" in r.stderr) is (signals == 1), r.stderr[-2000:]
+    assert "SUMMARY: kvaudit: " in r.stdout, r.stdout[-500:]  # (flushed before the handlers)
+
+
+@pytest.mark.parametrize("where", ["after-torch", "before-torch"])
+def test_a_second_signal_while_a_start_up_interrupt_exits_keeps_its_code(tmp_path, where):
+    """Ctrl-C twice, or SIGTERM twice, while a real engine loads: the first printed `kvaudit: interrupted`, then
+    the interpreter's teardown of what was (half-)imported took the second with a traceback, or with the default
+    action once Python had put it back (exit -2, -15: the signal matrix, tester 63). Now the start-up interrupt
+    leaves as a finished command does (`_exit`), torch imported or not yet: the second signal ends it with 130.
+    Below, start-up sends the first signal to its own process (at its last step, or in its first import) and an
+    atexit handler two more (no sleep)."""
+    (tmp_path / "ti63_cut_import.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    cut = ("def interrupted_here():\n    os.kill(os.getpid(), signal.SIGTERM)\n    print('not reached either')\n"
+           "e.one_torch_thread = interrupted_here\n" if where == "after-torch" else
+           f"sys.path.insert(0, {str(tmp_path)!r})\ne._HEAVY_MODULES = ('ti63_cut_import',)\n")
+    code = ("import atexit, os, signal, sys\n"
+            "import kvaudit.entry as e\n"
+            "def late():\n    for _ in range(2):\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    print('not reached', file=sys.stderr)\n"
+            "atexit.register(late)\n" + cut +
+            f"sys.argv = ['kvaudit', 'replay', {REGRESSION!r}]\n"
+            "e.main()\n")
+    r = _python("-c", code)
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert r.stderr == "kvaudit: interrupted\n" and r.stdout == "", r.stderr[-2000:]
+
+
+def test_a_signal_in_the_teardown_of_a_command_without_torch_is_no_kill():
+    """`campaign status --watch` stopped by Ctrl-C twice died of the second (-2; SIGTERM: -15) in the signal
+    matrix (tester 63): a command without torch exits normally, and Python's teardown puts the default action
+    back for a signal with a handler. Now both are ignored there (the run's code is decided). Below, an atexit
+    handler sends SIGINT to its own process, and an object torn down with the modules SIGTERM; each then prints."""
+    code = ("import atexit, os, signal, sys\n"
+            "class Teardown:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        print('teardown went on', flush=True)\n"
+            "sys.modules['__main__'].keep = Teardown()\n"
+            "def late():\n    os.kill(os.getpid(), signal.SIGINT)\n    print('the handlers went on', flush=True)\n"
+            "atexit.register(late)\n"
+            "sys.argv = ['kvaudit', 'presets']\nfrom kvaudit.entry import main\nmain()\n")
+    r = _python("-c", code)
+    assert r.returncode == 0, r.stdout[-500:] + r.stderr[-2000:]
+    assert r.stderr == "", r.stderr[-2000:]
+    assert "the handlers went on\nteardown went on" in r.stdout, r.stdout[-500:]
 
 
 def test_a_command_that_imported_no_torch_exits_normally():

@@ -148,20 +148,38 @@ def assert_reports(tmp_path, signature, interrupted=True):
 
 # -- SIGTERM in kvaudit fuzz ---------------------------------------------------------------------------
 
+REPLAY_HELD = ("import sys, time\nimport kvaudit.app.replay as r\n\n\ndef held(*a, **k):\n"
+               "    print('TEST-HOLD: replay held', file=sys.stderr, flush=True)\n    while True:\n"
+               "        time.sleep(3600)\n\n\nr._check_determinism = held\n")  # (after the first run: past start-up)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_kvaudit_replay_exits_130_in_one_line(tmp_path, launch, sig):
     """SIGTERM killed `kvaudit replay` outright once past start-up (exit -15, no line; Ctrl-C: 130): the commands
     that do not take the signals themselves keep SIGTERM as Ctrl-C (tester 60a)."""
-    hold = ("import sys, time\nimport kvaudit.app.replay as r\n\n\ndef held(*a, **k):\n"
-            "    print('TEST-HOLD: replay held', file=sys.stderr, flush=True)\n    while True:\n"
-            "        time.sleep(3600)\n\n\nr._check_determinism = held\n")  # (after the first run: past start-up)
     run = launch(["replay", os.path.join(REGRESSIONS, f"{BUG}.json"), "--check-determinism",
-                  "--junit", str(tmp_path / "r.xml")], hold=hold)
+                  "--junit", str(tmp_path / "r.xml")], hold=REPLAY_HELD)
     run.wait_for("TEST-HOLD: replay held")
     code, _, err = run.finish(sig)
     assert code == 130, err[-2000:]
     assert err.rstrip().endswith("kvaudit: interrupted") and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "r.xml").exists()  # no report written (tester 60c: a JUnit of the first run, then 130)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_kvaudit_replay_takes_a_signal_it_was_started_ignoring(tmp_path, launch, sig):
+    """A script's background job (`kvaudit replay F &`) starts with SIGINT ignored: the entry point put that
+    back once past start-up, so Ctrl-C (`kill -INT`) left `replay` running (the flaky [2] above: its pytest was
+    itself such a job, tester 63), while start-up, `fuzz` and `ci` took it. Now every phase takes it."""
+    previous = signal.signal(sig, signal.SIG_IGN)  # what the child inherits (across exec, as from a shell)
+    try:
+        run = launch(["replay", os.path.join(REGRESSIONS, f"{BUG}.json"), "--check-determinism"], hold=REPLAY_HELD)
+    finally:
+        signal.signal(sig, previous)
+    run.wait_for("TEST-HOLD: replay held")
+    code, _, err = run.finish(sig)
+    assert code == 130, err[-2000:]
+    assert err.endswith("kvaudit: interrupted\n") and "Traceback" not in err, err[-2000:]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -932,6 +950,27 @@ def test_ci_interrupted_before_its_job_began_in_process_writes_its_junit(tmp_pat
     assert json.loads((tmp_path / "ci.sarif").read_text())["runs"][0]["invocations"][0]["executionSuccessful"] is False
 
 
+def test_ci_interrupted_before_its_job_began_writes_its_json_too(tmp_path, monkeypatch):
+    """Stop 62: `ci --json` was not written when interrupted before the job began (its JUnit, SARIF and HTML
+    were: the start-up reports took ci for a command without --json). Now the same file as fuzz's, with ci's
+    "job", which `kvaudit report` reads as nothing recorded (exit 5), not as a broken file."""
+    import kvaudit.app.configs as configs
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(configs, "check_fuzzer", interrupted)
+    doc = tmp_path / "ci.json"
+    r = invoke("ci", "--max-time", "60", "--json", str(doc), "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 130, r.output
+    assert r.stderr.splitlines() == [f"reports written, each saying nothing was checked (interrupted during "
+                                     f"start-up): {doc}, {tmp_path / 'ci.xml'}", "kvaudit: interrupted"]
+    written = json.loads(doc.read_text())
+    assert written["interrupted"] is True and written["executions"] == 0 and written["job"] == "kvaudit ci"
+    r = invoke("report", str(doc))
+    assert r.exit_code == 5 and "nothing recorded" in r.stderr, r.output
+
+
 def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
     from kvaudit.app.interrupts import startup_report_paths as ci_report_paths, write_startup_reports
     from kvaudit.reports import ci_outputs
@@ -941,7 +980,7 @@ def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
         {"junit": "a.xml", "sarif": "b.sarif"}  # --out's value is '--sarif'; the last --sarif wins
     assert ci_report_paths(["ci", "--", "--junit", "a.xml"]) == {}
     assert ci_report_paths(["bench", "--json", "a.json"]) == ci_report_paths(["ci", "--help", "--junit", "a"]) == {}
-    assert ci_report_paths(["ci", "--json", "a.json"]) == {}  # (ci has no --json)
+    assert ci_report_paths(["ci", "--json", "a.json"]) == {"json": "a.json"}
     assert ci_report_paths(["ci", "--html", "a.html"]) == {"html": "a.html"}
     # fuzz's flags take no value: the report after one is still read
     assert ci_report_paths(["fuzz", "--no-seeds", "--json", "a.json", "--paranoid", "--sarif", "b"]) == \
@@ -1022,3 +1061,75 @@ def test_ci_interrupted_in_a_clean_fuzz_has_no_passing_case_and_its_html_and_jso
     assert "Interrupted: no findings in the part that ran." in page and "No findings." not in page
     assert ", clean</title>" not in page and ", interrupted</title>" in page
     assert json.loads((tmp_path / "ci.json").read_text())["interrupted"] is True
+
+
+# -- Ctrl-C typed on a terminal ------------------------------------------------------------------------
+
+HOLD_IMPORTS = '''
+import sys
+import time
+
+import kvaudit.entry as e
+
+
+def held(*a, **k):  # inside the entry point's guard, after the engine's imports
+    print("TEST-HOLD: imports held", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
+
+
+e.one_torch_thread = held
+'''
+
+
+def ctrl_c_on_a_terminal(tmp_path, args, hold: str, text: str) -> tuple[int, str]:
+    """Run the console script on a pseudo-terminal (its controlling terminal, as in a shell); once ``text`` is
+    shown, type Ctrl-C there: the terminal echoes ``^C`` and sends SIGINT. (exit code, everything shown)."""
+    import pty
+    import select
+
+    hold_dir = tmp_path / "hold"
+    hold_dir.mkdir()
+    (hold_dir / "sitecustomize.py").write_text(hold)
+    env = plain_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hold_dir), env.get("PYTHONPATH")) if p)
+    script = kvaudit_script()
+    pid, fd = pty.fork()
+    if pid == 0:  # (the child only execs)
+        os.execve(script, [script, *args], env)
+    shown, typed, deadline = b"", False, time.monotonic() + LIMIT_S
+    try:
+        while time.monotonic() < deadline:  # a limit, not a sleep: select returns as soon as output comes
+            if select.select([fd], [], [], 1)[0]:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # EIO: the child is gone and the terminal closed
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            if not typed and text.encode() in shown:
+                os.write(fd, b"\x03")
+                typed = True
+    finally:
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        os.close(fd)
+    assert typed, shown.decode(errors="replace")[-2000:]
+    return code, shown.decode(errors="replace")
+
+
+@pytest.mark.parametrize("args, hold, text", [
+    (["replay", os.path.join(REGRESSIONS, f"{BUG}.json")], HOLD_IMPORTS, "TEST-HOLD: imports held"),
+    (["replay", os.path.join(REGRESSIONS, f"{BUG}.json"), "--check-determinism"], REPLAY_HELD, "TEST-HOLD: replay"),
+    (["fuzz", "--max-time", "60", "--out", "OUT"], HOLD_START_UP, "TEST-HOLD: start-up held"),
+], ids=["entry-guard", "replay", "fuzz"])
+def test_ctrl_c_on_a_terminal_leaves_its_echoed_caret_c_on_a_line_of_its_own(tmp_path, args, hold, text):
+    """The terminal echoes ``^C`` with no newline: stop 62 showed ``^Ckvaudit: interrupted`` (tester 63). Each
+    handler kvaudit installs (the entry point's guard, Ctrl-C's after start-up, the commands' own) ends that line."""
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    code, shown = ctrl_c_on_a_terminal(tmp_path, args, hold, text)
+    assert code == 130, shown[-2000:]
+    assert "^C\r\n" in shown and "kvaudit: interrupted\r\n" in shown, repr(shown[-500:])
+    assert "\r\nkvaudit: interrupted\r\n" in shown and "Traceback" not in shown, repr(shown[-500:])

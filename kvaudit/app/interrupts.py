@@ -55,6 +55,24 @@ def ignore_interrupts(clear: bool = False) -> None:
         INTERRUPTED.clear()
 
 
+def end_echoed_line(signum: int) -> None:
+    """A Ctrl-C typed on a terminal echoes ``^C`` with no newline after it: end that line on standard error, so
+    the next one starts on its own (``kvaudit: interrupted``, not ``^Ckvaudit: interrupted``). Only for SIGINT,
+    and only where standard error is a terminal that echoes control characters (SIGTERM echoes nothing, a log
+    none). ``os.write``: safe inside a signal handler, whatever print it cut into. Never raises."""
+    import os
+    import termios
+
+    if signum != signal.SIGINT:
+        return
+    try:
+        lflag = termios.tcgetattr(2)[3]  # (not a terminal, or closed: termios.error, OSError)
+        if lflag & termios.ECHO and lflag & termios.ECHOCTL:
+            os.write(2, b"\n")
+    except (termios.error, OSError, ValueError):
+        pass
+
+
 def catch_sigint() -> None:
     """Ctrl-C and SIGTERM raise KeyboardInterrupt and set :data:`runner.INTERRUPTED`, which the next op
     checks: an interrupt swallowed inside a library callback still stops the run."""
@@ -62,6 +80,7 @@ def catch_sigint() -> None:
 
     def handler(signum, frame):
         INTERRUPTED.set()
+        end_echoed_line(signum)
         raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
@@ -72,14 +91,14 @@ def catch_sigint() -> None:
 
 
 # the reports each command writes when interrupted during start-up, and its options that take no value
-_STARTUP_REPORTS = {"ci": (("--junit", "--sarif", "--html"), ()),
+_STARTUP_REPORTS = {"ci": (("--junit", "--sarif", "--json", "--html"), ()),
                     "fuzz": (("--junit", "--sarif", "--json", "--html"), ("--seeds", "--no-seeds", "--paranoid"))}
 
 
 def startup_report_paths(argv: list[str]) -> dict[str, str]:
     """``{"junit": PATH, "sarif": PATH, "json": PATH, "html": PATH}`` that ``argv`` (no program name) asks
-    ``kvaudit ci`` (no ``json``) or ``kvaudit fuzz`` for, read as click reads it (every other option takes a value); empty
-    for another command."""
+    ``kvaudit ci`` or ``kvaudit fuzz`` for, read as click reads it (every other option takes a value); empty for
+    another command."""
     if not argv or argv[0] not in _STARTUP_REPORTS or {"-h", "--help"} & set(argv):
         return {}
     wanted, flags = _STARTUP_REPORTS[argv[0]]
@@ -98,19 +117,21 @@ def startup_report_paths(argv: list[str]) -> dict[str, str]:
     return paths
 
 
-def _startup_json() -> str:
-    """``fuzz --json`` of a run stopped before its search began: no config (it was not built yet)."""
+def _startup_json(command: str) -> str:
+    """``fuzz --json`` or ``ci --json`` (``"job"`` says which, as a job's own does) of a run stopped before its
+    search began: no config (it was not built yet)."""
     import json
 
     from kvaudit.reports import ci_outputs
 
     return json.dumps({"format": "kvaudit.replay/1", "program": [], "findings": [], "executions": 0, "ops": 0,
-                       "seconds": 0.0, "interrupted": True, "note": ci_outputs.NOTHING_RAN}, indent=2) + "\n"
+                       "seconds": 0.0, "interrupted": True, "note": ci_outputs.NOTHING_RAN,
+                       **({"job": "kvaudit ci"} if command == "ci" else {})}, indent=2) + "\n"
 
 
 def write_startup_reports(argv: list[str]) -> list[str]:
-    """``kvaudit ci`` or ``fuzz`` interrupted before its job began: write the ``--junit``, ``--sarif``, ``--html``
-    (and ``fuzz``'s ``--json``) that ``argv`` asks for, each saying nothing was checked; a path the job would refuse,
+    """``kvaudit ci`` or ``fuzz`` interrupted before its job began: write the ``--junit``, ``--sarif``, ``--json``
+    and ``--html`` that ``argv`` asks for, each saying nothing was checked; a path the job would refuse,
     or that cannot be written, is skipped. Returns the paths written, named on stderr in one ``reports written``
     line, as a run's, that says what they hold. Standard library only: half-imported modules are not touched."""
     import json
@@ -123,7 +144,8 @@ def write_startup_reports(argv: list[str]) -> list[str]:
     if len({os.path.realpath(p) for p in paths.values() if p}) < len(paths):
         return []  # the job refuses two flags naming one file
     texts = {"junit": ci_outputs.interrupted_junit,
-             "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n", "json": _startup_json,
+             "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n",
+             "json": lambda: _startup_json(argv[0]),
              "html": ci_outputs.interrupted_html}
     written = []
     with _restored_handlers():
