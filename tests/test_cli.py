@@ -1,6 +1,7 @@
 """Tests for the ``kvaudit`` command line: click's CliRunner for most cases, the installed console
 script (a real subprocess) where the process boundary matters (exit status through a pipe, no ANSI)."""
 
+import glob
 import json
 import shlex
 import shutil
@@ -440,6 +441,30 @@ def test_replay_on_a_cuda_device_without_one_exits_2(tmp_path):
     result = invoke("replay", _write(tmp_path, "in.json", json.dumps(doc)))
     assert result.exit_code == 2
     assert "no CUDA device" in one_error_line(result)
+
+
+def test_ci_with_a_cuda_regression_file_without_a_cuda_device_fails_that_check(tmp_path):
+    """A regression file recorded with --device cuda, checked by ci on a CPU-only machine, was an internal error
+    (exit 70: torch's 'Torch not compiled with CUDA enabled'), with no JUnit: now a failed check that says why,
+    as a real engine's file where that engine is missing."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    (tmp_path / "reg").mkdir()
+    regression = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json")))[0]
+    with open(regression, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    doc["config"]["device"] = "cuda"
+    _write(tmp_path / "reg", "gpu.json", json.dumps(doc))
+    junit = tmp_path / "ci.xml"
+    result = invoke("ci", "--max-time", "0", "--regressions", str(tmp_path / "reg"), "--out", str(tmp_path / "o"),
+                    "--junit", str(junit))
+    assert result.exit_code == 1, result.output
+    assert "internal error" not in result.output
+    assert "0/1 regressions ok" in result.output
+    assert "cannot run here: device cuda: no CUDA device is available here" in result.output
+    assert "no CUDA device" in junit.read_text()
 
 
 @pytest.mark.parametrize("command", ["fuzz", "ci"])
