@@ -348,6 +348,24 @@ def test_a_bad_max_ops_is_one_line_spelled_as_json(monkeypatch, capsys):
     assert capsys.readouterr().err == 'fuzz_engine.py: KVAUDIT_MAX_OPS must be an integer, got "x"\n'
 
 
+def test_a_cuda_config_without_a_cuda_device_is_one_line_exit_2(monkeypatch, capsys):
+    """``KVAUDIT_CONFIG='{"device": "cuda"}'`` on a CPU-only machine: every input raised torch's 'Torch not
+    compiled with CUDA enabled', so the very first (empty) input was written as a crash file, exit 77."""
+    import torch
+
+    from kvaudit.search import atheris_harness
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    monkeypatch.setenv("KVAUDIT_CONFIG", '{"device": "cuda"}')
+    monkeypatch.delenv("KVAUDIT_BUGS", raising=False)
+    with pytest.raises(SystemExit) as e:
+        atheris_harness._config()
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"fuzz_engine.py: KVAUDIT_CONFIG: device cuda: no CUDA device is available "
+                                       f"here (torch {torch.__version__})\n")
+
+
 def test_a_run_without_work_dir_leaves_no_directory_when_an_interrupt_cuts_its_removal(monkeypatch, tmp_path):
     # a second Ctrl-C while the temporary work directory is being removed: the removal is finished, then the
     # interrupt goes on (kvaudit.atomic.scratch_dir); the run's own rmtree(ignore_errors=True) left it half there
