@@ -388,3 +388,18 @@ def test_a_run_without_work_dir_leaves_no_directory_when_an_interrupt_cuts_its_r
     with pytest.raises(KeyboardInterrupt):
         atheris_search(None, 1.0, 0, FuzzStats())
     assert work and work[0].startswith(str(tmp_path)) and os.listdir(tmp_path) == []
+
+
+def test_the_harness_readme_gives_the_max_len_and_file_name_a_run_uses():
+    """harnesses/README.md passed ``-max_len=144`` (24 records of layout 1, 6 bytes) 'as atheris_search does',
+    but new inputs are layout 2, 14-byte records: atheris_search passes 337, and 144 bytes hold 10 ops; and it
+    replayed a file name the HiSparse leak's signature does not make."""
+    import re
+
+    with open(os.path.join(ROOT, "harnesses", "README.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    lens = set(re.findall(r"-max_len=(\d+)", text))
+    assert lens == {str(max_len(24))}, lens
+    _, _, recorded, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "hisparse-prebuilt-skip-finish.json"))
+    expected = recorded[0].signature
+    assert f"kvaudit-findings/{replay.file_name(expected)}" in text
