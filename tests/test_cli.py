@@ -443,6 +443,21 @@ def test_replay_on_a_cuda_device_without_one_exits_2(tmp_path):
     assert "no CUDA device" in one_error_line(result)
 
 
+@pytest.mark.parametrize("command", ["replay", "minimize", "report"])
+def test_a_libfuzzer_crash_input_given_as_a_replay_file_names_the_replay_file_to_use(tmp_path, command):
+    """``kvaudit replay crash-<sha1>`` (the file libFuzzer names on a crash) said only 'is not JSON'."""
+    import hashlib
+
+    data = bytes([0xF2, 0, 0xFF, 0x81, 7])
+    sha1 = hashlib.sha1(data).hexdigest()
+    path = tmp_path / f"crash-{sha1}"
+    path.write_bytes(data)
+    result = invoke(command, str(path))
+    assert result.exit_code == 2
+    line = one_error_line(result)
+    assert "is a libFuzzer input (bytes), not a replay file" in line and f"input_sha1 is {sha1}" in line
+
+
 def test_ci_with_a_cuda_regression_file_without_a_cuda_device_fails_that_check(tmp_path):
     """A regression file recorded with --device cuda, checked by ci on a CPU-only machine, was an internal error
     (exit 70: torch's 'Torch not compiled with CUDA enabled'), with no JUnit: now a failed check that says why,
