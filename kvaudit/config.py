@@ -75,6 +75,18 @@ def _spelled(v) -> str:
         return repr(v)
 
 
+def device_unavailable(device) -> str | None:
+    """Why a config's torch ``device`` (``cpu``, ``cuda``, ``cuda:N``) cannot run here, in one line, or None.
+    Imports torch for a CUDA device only; the device's spelling is the config's own check."""
+    if not (isinstance(device, str) and device.startswith("cuda")):
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return f"device {device}: no CUDA device is available here (torch {torch.__version__})"
+
+
 class UnknownPresetError(ValueError):
     """A preset name that the target kind does not have."""
 

@@ -4,14 +4,29 @@
 
 from __future__ import annotations
 
+import argparse
+import math
+
 import pytest
 
 from kvaudit import testing  # light: it imports the search and the engine when called
 
 
+def _scale(text: str) -> float:
+    """``--kvaudit-time``: a finite number > 0 (0, a negative or nan left every fuzz no budget: a leaking
+    engine's test passed, having searched nothing); else pytest's usage error, exit 4."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def pytest_addoption(parser):
-    parser.addoption("--kvaudit-time", type=float, default=1.0, metavar="SCALE",
-                     help="kvaudit: multiply every fuzz's max_time by SCALE (nightly runs give more).")
+    parser.addoption("--kvaudit-time", type=_scale, default=1.0, metavar="SCALE",
+                     help="kvaudit: multiply every fuzz's max_time by SCALE, a number > 0 (nightly runs give more).")
 
 
 class _Kvaudit:

@@ -176,6 +176,16 @@ def _one_of_each(pairs: list) -> dict:
     return out
 
 
+_LIBFUZZER_ARTIFACT = re.compile(r"(?:crash|leak|timeout|oom|slow-unit|minimized-from)-[0-9a-f]{40}")
+
+
+def _sha1(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as fh:
+        return hashlib.sha1(fh.read()).hexdigest()
+
+
 def _read(path: str) -> dict:
     try:
         with open(path, encoding="utf-8-sig") as fh:  # NOTE: UTF-8 whatever the locale; a BOM (an editor's) skipped
@@ -190,6 +200,11 @@ def _read(path: str) -> dict:
         if "integer string conversion" in why:  # (Python's own hint names sys.set_int_max_str_digits)
             raise ReplayFormatError(f"{path} is not a kvaudit replay file (a number of more than "
                                     f"{sys.get_int_max_str_digits()} digits)") from None
+        if _LIBFUZZER_ARTIFACT.fullmatch(os.path.basename(path)):  # (what a user has in hand after a crash)
+            raise ReplayFormatError(
+                f"{path} is a libFuzzer input (bytes), not a replay file: the atheris harness wrote its replay file "
+                f"to KVAUDIT_FINDINGS_DIR (kvaudit fuzz: --out), the one whose input_sha1 is {_sha1(path)}; "
+                "harnesses/fuzz_engine.py FILE reruns the input") from None
         if isinstance(e, json.JSONDecodeError) and not e.doc.strip():
             why = "the file is empty"
         elif isinstance(e, json.JSONDecodeError) and (e.pos >= len(e.doc.rstrip()) or e.msg.startswith("Unterminated")):

@@ -5,6 +5,7 @@ Example: docs/internals/app.md; writing the target: docs/writing-a-target.md."""
 from __future__ import annotations
 
 import glob
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -48,18 +49,24 @@ class Result:
         return "\n".join(out)
 
     def assert_clean(self) -> None:
-        """Raises :class:`KvauditFailure` with :meth:`render` when anything was found."""
+        """Raises :class:`KvauditFailure` with :meth:`render` when anything was found, and when no program
+        ran (a budget that ended first: nothing was checked, as ``kvaudit fuzz`` exits 5)."""
         if self.findings:
             raise KvauditFailure(self.render())
+        if self.executions == 0:
+            raise KvauditFailure("kvaudit: nothing searched: the budget ended before one program ran; give it more "
+                                 "time (max_time, --kvaudit-time)")
 
 
 def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZZER) -> Result:
     """Fuzz ``config``'s target for ``max_time`` seconds (minimizing comes after) and triage its first
     finding as ``kvaudit fuzz`` does; a flaky one is passed over. Raises ``ValueError`` for an unknown
-    or out-of-process fuzzer (atheris)."""
+    or out-of-process fuzzer (atheris) and for a ``max_time`` that is not a finite number > 0."""
     from kvaudit.search import fuzzers
     from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
 
+    if not (isinstance(max_time, (int, float)) and math.isfinite(max_time) and max_time > 0):
+        raise ValueError(f"max_time must be a finite number of seconds > 0, got {json_value(max_time, 60)}")
     valid = [n for n, k in fuzzers.kinds().items() if k.in_process]
     if fuzzer not in valid:
         raise ValueError(f"unknown fuzzer {json_value(fuzzer, 60)} (valid: {', '.join(valid)})")

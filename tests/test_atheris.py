@@ -348,6 +348,24 @@ def test_a_bad_max_ops_is_one_line_spelled_as_json(monkeypatch, capsys):
     assert capsys.readouterr().err == 'fuzz_engine.py: KVAUDIT_MAX_OPS must be an integer, got "x"\n'
 
 
+def test_a_cuda_config_without_a_cuda_device_is_one_line_exit_2(monkeypatch, capsys):
+    """``KVAUDIT_CONFIG='{"device": "cuda"}'`` on a CPU-only machine: every input raised torch's 'Torch not
+    compiled with CUDA enabled', so the very first (empty) input was written as a crash file, exit 77."""
+    import torch
+
+    from kvaudit.search import atheris_harness
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    monkeypatch.setenv("KVAUDIT_CONFIG", '{"device": "cuda"}')
+    monkeypatch.delenv("KVAUDIT_BUGS", raising=False)
+    with pytest.raises(SystemExit) as e:
+        atheris_harness._config()
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"fuzz_engine.py: KVAUDIT_CONFIG: device cuda: no CUDA device is available "
+                                       f"here (torch {torch.__version__})\n")
+
+
 def test_a_run_without_work_dir_leaves_no_directory_when_an_interrupt_cuts_its_removal(monkeypatch, tmp_path):
     # a second Ctrl-C while the temporary work directory is being removed: the removal is finished, then the
     # interrupt goes on (kvaudit.atomic.scratch_dir); the run's own rmtree(ignore_errors=True) left it half there
@@ -370,3 +388,18 @@ def test_a_run_without_work_dir_leaves_no_directory_when_an_interrupt_cuts_its_r
     with pytest.raises(KeyboardInterrupt):
         atheris_search(None, 1.0, 0, FuzzStats())
     assert work and work[0].startswith(str(tmp_path)) and os.listdir(tmp_path) == []
+
+
+def test_the_harness_readme_gives_the_max_len_and_file_name_a_run_uses():
+    """harnesses/README.md passed ``-max_len=144`` (24 records of layout 1, 6 bytes) 'as atheris_search does',
+    but new inputs are layout 2, 14-byte records: atheris_search passes 337, and 144 bytes hold 10 ops; and it
+    replayed a file name the HiSparse leak's signature does not make."""
+    import re
+
+    with open(os.path.join(ROOT, "harnesses", "README.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    lens = set(re.findall(r"-max_len=(\d+)", text))
+    assert lens == {str(max_len(24))}, lens
+    _, _, recorded, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "hisparse-prebuilt-skip-finish.json"))
+    expected = recorded[0].signature
+    assert f"kvaudit-findings/{replay.file_name(expected)}" in text

@@ -1,6 +1,7 @@
 """Tests for the ``kvaudit`` command line: click's CliRunner for most cases, the installed console
 script (a real subprocess) where the process boundary matters (exit status through a pipe, no ANSI)."""
 
+import glob
 import json
 import shlex
 import shutil
@@ -471,6 +472,45 @@ def test_replay_on_a_cuda_device_without_one_exits_2(tmp_path):
     result = invoke("replay", _write(tmp_path, "in.json", json.dumps(doc)))
     assert result.exit_code == 2
     assert "no CUDA device" in one_error_line(result)
+
+
+@pytest.mark.parametrize("command", ["replay", "minimize", "report"])
+def test_a_libfuzzer_crash_input_given_as_a_replay_file_names_the_replay_file_to_use(tmp_path, command):
+    """``kvaudit replay crash-<sha1>`` (the file libFuzzer names on a crash) said only 'is not JSON'."""
+    import hashlib
+
+    data = bytes([0xF2, 0, 0xFF, 0x81, 7])
+    sha1 = hashlib.sha1(data).hexdigest()
+    path = tmp_path / f"crash-{sha1}"
+    path.write_bytes(data)
+    result = invoke(command, str(path))
+    assert result.exit_code == 2
+    line = one_error_line(result)
+    assert "is a libFuzzer input (bytes), not a replay file" in line and f"input_sha1 is {sha1}" in line
+
+
+def test_ci_with_a_cuda_regression_file_without_a_cuda_device_fails_that_check(tmp_path):
+    """A regression file recorded with --device cuda, checked by ci on a CPU-only machine, was an internal error
+    (exit 70: torch's 'Torch not compiled with CUDA enabled'), with no JUnit: now a failed check that says why,
+    as a real engine's file where that engine is missing."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    (tmp_path / "reg").mkdir()
+    regression = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json")))[0]
+    with open(regression, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    doc["config"]["device"] = "cuda"
+    _write(tmp_path / "reg", "gpu.json", json.dumps(doc))
+    junit = tmp_path / "ci.xml"
+    result = invoke("ci", "--max-time", "0", "--regressions", str(tmp_path / "reg"), "--out", str(tmp_path / "o"),
+                    "--junit", str(junit))
+    assert result.exit_code == 1, result.output
+    assert "internal error" not in result.output
+    assert "0/1 regressions ok" in result.output
+    assert "cannot run here: device cuda: no CUDA device is available here" in result.output
+    assert "no CUDA device" in junit.read_text()
 
 
 @pytest.mark.parametrize("command", ["fuzz", "ci"])

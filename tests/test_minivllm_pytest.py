@@ -94,3 +94,36 @@ def test_every_python_snippet_of_the_docs_runs_as_written(code, kvaudit):
     for test in tests:
         assert list(inspect.signature(test).parameters) == ["kvaudit"]
         test(kvaudit)
+
+
+@pytest.mark.parametrize("scale", ["0", "-1", "nan"])
+def test_a_time_scale_that_leaves_no_budget_is_a_usage_error(tmp_path, scale):
+    """``--kvaudit-time 0`` (or -1, nan) turned every fixture fuzz into no search at all, and a test of a
+    leaking engine passed: now pytest's usage error (exit 4), in one line naming the option."""
+    import os
+    import subprocess
+    import sys
+
+    from cli_helpers import ROOT
+
+    (tmp_path / "test_x.py").write_text("def test_x(kvaudit):\n    pass\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:kvaudit",
+                        "-p", "kvaudit.pytest_plugin",
+                        "--kvaudit-time", scale, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=ROOT))  # (installed or not: this checkout's plugin)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert f"argument --kvaudit-time: must be a finite number > 0, got {scale}" in r.stderr
+
+
+@pytest.mark.parametrize("max_time", [0, -1.0, float("nan")])
+def test_a_fuzz_without_a_budget_is_refused(max_time):
+    with pytest.raises(ValueError, match="max_time must be a finite number of seconds > 0"):
+        testing.fuzz(TIGHT.config(bugs={"abort-leak"}), max_time=max_time)
+
+
+def test_a_fuzz_that_ran_no_program_does_not_pass():
+    """A budget that ended before one program ran passed ``assert_clean`` having checked nothing (the CLI
+    says 'nothing searched' and exits 5)."""
+    result = testing.Result(executions=0, config=TIGHT.config())
+    with pytest.raises(KvauditFailure, match="nothing searched"):
+        result.assert_clean()

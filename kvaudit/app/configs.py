@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from kvaudit.app.errors import InputError, UnavailableError
-from kvaudit.config import UnknownPresetError, json_value, shown_path
+from kvaudit.config import UnknownPresetError, device_unavailable, json_value, shown_path
 from kvaudit.search import fuzzers
 from kvaudit.targets import make_target, registry
 
@@ -288,11 +288,10 @@ class FuzzerChoice(click.Choice):
 
 
 def check_device(device: str) -> None:
-    if isinstance(device, str) and device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise InputError(f"device {device}: no CUDA device is available here (torch {torch.__version__})")
+    """Raises :class:`InputError` (one line) for a CUDA device on a machine without one."""
+    why = device_unavailable(device)
+    if why is not None:
+        raise InputError(why)
 
 
 def check_plugins() -> None:

@@ -46,7 +46,7 @@ def _die(msg: str) -> None:
 
 def _config():
     from engine_under_test import UnknownBugError
-    from kvaudit.config import UnknownPresetError
+    from kvaudit.config import UnknownPresetError, device_unavailable
     from kvaudit.targets import registry
 
     eut = registry.get("eut")  # NOTE: through the registry: no target kind is imported here
@@ -56,9 +56,13 @@ def _config():
     bugs = frozenset(b.strip() for b in os.environ.get("KVAUDIT_BUGS", "").split(",") if b.strip())
     try:
         config = EutConfig.from_dict(json.loads(raw)) if raw.startswith("{") else get_preset(raw).config()
-        return config.replace(bugs=config.bugs | bugs) if bugs else config
+        config = config.replace(bugs=config.bugs | bugs) if bugs else config
     except (ValueError, TypeError, UnknownBugError, UnknownPresetError) as e:  # JSONDecodeError is a ValueError
         _die(f"bad KVAUDIT_CONFIG or KVAUDIT_BUGS: {e}")
+    why = device_unavailable(config.device)  # (else every input is a crash: torch's AssertionError)
+    if why is not None:
+        _die(f"KVAUDIT_CONFIG: {why}")
+    return config
 
 
 CONFIG = KNOWN = SUPPRESSIONS = FINDINGS_DIR = STATS_DIR = MAX_OPS = None  # set by :func:`main`

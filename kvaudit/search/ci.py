@@ -15,6 +15,7 @@ from typing import Callable
 from kvaudit.targets import registry
 from kvaudit import replay
 from kvaudit.atomic import scratch_dir
+from kvaudit.config import device_unavailable
 from kvaudit.audit.findings import Finding
 from kvaudit.search.fuzz import CONFIRM_RUNS, FuzzStats
 from kvaudit.reports import ci_outputs
@@ -108,8 +109,11 @@ def check_regression(path: str, runs: int = CONFIRM_RUNS) -> RegressionCheck:
         return RegressionCheck(name, path, "", problem=f"{error}: {e}", malformed=True, error=error,
                                seconds=time.monotonic() - t0)
     check = RegressionCheck(name, path, recorded[0].signature if recorded else "")
-    try:  # a real engine's file where that engine is missing: a failed check, in one line
+    try:  # a real engine's file where that engine is missing, a CUDA file without CUDA: a failed check, in one line
         registry.kind_of(config).probe(config)
+        why = device_unavailable(config.device)
+        if why is not None:
+            raise registry.TargetUnavailable(why)
     except (registry.TargetUnavailable, registry.UnknownTargetError) as e:
         check.problem = f"cannot run here: {e}"
         check.seconds = time.monotonic() - t0
