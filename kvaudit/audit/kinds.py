@@ -175,7 +175,8 @@ def _con_leak(f) -> list:
     elif f.lost_from:
         out.append(("text", f"its last owner was dropped from: {f.lost_from} (no release freed anything of it)", ""))
     elif f.lost_by:
-        out.append(("text", f"no owner held it and no release named it; the target's last write of it: {f.lost_by}", ""))
+        out.append(("text", f"no owner held it, no release named it; what lost it (the target's record): {f.lost_by}",
+                    ""))
     return out
 
 

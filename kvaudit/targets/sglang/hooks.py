@@ -48,9 +48,9 @@ class SglangHooks(Target):
     """The ``install_*`` hooks; they read ``self.tree_cache`` and keep ``self.lock_net`` (node id -> incs - decs)."""
 
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        """Rows at ``alloc_rows``/``free_rows``; KV at ``alloc``/``free`` (page 1) or as the pages that left
-        the free set and at ``_release_page_ids`` (paged); ``clear()`` as a free of everything; host
-        pools at :meth:`_install_host_pool`."""
+        """Rows at ``alloc_rows``/``free_rows``, row writes at ``write`` (:meth:`_install_row_writes`); KV at
+        ``alloc``/``free`` (page 1) or as the pages that left the free set and at ``_release_page_ids``
+        (paged); ``clear()`` as a free of everything; host pools at :meth:`_install_host_pool`."""
         if spec.kind == "host":
             return self._install_host_pool(spec, auditor, wrap)
         auditor.wrap_clear(spec)
