@@ -334,6 +334,20 @@ def test_request_kv_names_allocation_sites_only():
         Finding.from_dict(d)
 
 
+def test_a_leak_no_owner_had_is_named_by_what_the_target_says_lost_it():
+    """A leak with no release path and no ``from:`` place takes the target's ``lost_by`` as its second part
+    (SGLang: where its row write put the unit), written to the file only where set and read back; a release
+    path or a ``from:`` place comes first."""
+    grow = Site("sglang/srt/mem_cache/allocation.py", 159, "alloc_token_slots", request_kv=True)
+    leak = Finding("leak", "token_to_kv_pool", "m", alloc_sites=[grow], lost_by="past-table")
+    assert leak.signature == "leak/token_to_kv_pool/request-kv/past-table"
+    assert Finding.from_dict(leak.to_dict()).signature == leak.signature
+    assert "lost_by" not in dataclasses.replace(leak, lost_by="").to_dict()
+    assert dataclasses.replace(leak, lost_from="waiting").signature == "leak/token_to_kv_pool/request-kv/from:waiting"
+    with pytest.raises(ValueError, match="lost_by"):
+        Finding.from_dict({**leak.to_dict(), "lost_by": 3})
+
+
 def test_a_premature_free_is_named_by_its_release_path_not_the_release_plumbing():
     """A use-after-free's free site, as a leak's lost release, is the first frame above a target's release
     entries (``Site.entry``): the caller that chose to free. (Tester 62: SGLang frees a row's KV through

@@ -282,8 +282,10 @@ def test_sift_counts_one_signature_once_per_run_as_the_run_reports_it():
 def test_a_leak_whose_rows_came_from_two_lines_is_one_hit_as_it_is_one_finding(fresh_registry):
     """tests/rowtoy_plugin.py with abort-leak: the aborted request's prompt rows and its decode row come from two
     lines of one step, one finding reported ("also allocated at"); suppressed, it counted 2 hits in one run."""
-    import rowtoy_plugin  # noqa: F401  (registers rowtoy, in the registry this test restores)
+    import rowtoy_plugin  # (registers rowtoy when first imported, in the registry this test restores)
 
+    if "rowtoy" not in fresh_registry.kinds():  # (test_cli imported it first, into a registry it restored)
+        fresh_registry.register(rowtoy_plugin.KIND)
     config = fresh_registry.get("rowtoy").preset("rowtoy-leaky").config()
     program = [Submit(family=0, prompt_len=3, max_new_tokens=4), Step(1), Abort(handle=0), Idle()]
     (leak,) = execute(config, program).findings

@@ -120,6 +120,8 @@ class Finding:
     # leak: the release where the unit lost its last owner; empty when it had none at any check
     lost_sites: list[Site] = field(default_factory=list)
     lost_from: str = ""  # leak: where the target last held the unit's owner (Root.where), if it said
+    # leak of a unit no owner held and no release named: what lost it, as the target says (Target.lost_by)
+    lost_by: str = ""
     # accounting-drift: the check that failed; stale-kv: the cause; lock-imbalance: "walk"; hang: what is
     # stuck; liveness: where the request sits and what it is (docs/internals/audit.md, the signature table)
     check: str = ""
@@ -147,8 +149,9 @@ class Finding:
         d = asdict(self)
         if not d["engine_check_at_idle"]:
             del d["engine_check_at_idle"]  # not recorded: files written without a drain stay as they were
-        if not d["holder"]:
-            del d["holder"]  # (only a lock-imbalance names one)
+        for key in ("holder", "lost_by"):  # (only a lock-imbalance names a holder; few leaks a lost_by)
+            if not d[key]:
+                del d[key]
         for key in _kinds.STACK_ORDER:  # a site's flags only where set (most frames are neither)
             for site in d[key]:
                 for flag in ("entry", "request_kv"):
@@ -213,7 +216,8 @@ _FIELD_TYPES = (("kind", str, None, 0), ("pool", str, None, 0), ("message", str,
                 ("slots", list, int, 0), ("num_units", int, None, 0), ("indirect", bool, None, 0),
                 ("op_index", int, None, -1), ("step", int, None, -1), ("engine_check", list, str, 0),
                 ("memory_state", list, str, 0), ("engine_check_at_idle", list, str, 0), ("traceback", str, None, 0),
-                ("used_by", list, str, 0), ("lost_from", str, None, 0), ("check", str, None, 0),
+                ("used_by", list, str, 0), ("lost_from", str, None, 0), ("lost_by", str, None, 0),
+                ("check", str, None, 0),
                 ("holder", str, None, 0))
 _SITE_TYPES = (("file", str), ("line", int), ("function", str), ("source", str), ("entry", bool), ("request_kv", bool))
 _OWNER_TYPES = (("op_index", int), ("step", int), ("owner", str), ("event", str))

@@ -49,10 +49,13 @@ def _sig_sites(f) -> str:
 
 
 def _sig_leak(f) -> str:
-    """Allocated at; the path of the release that lost the unit, else where its owner was dropped from."""
+    """Allocated at; the path of the release that lost the unit, else where its owner was dropped from, else
+    (no owner had it) what the target says lost it."""
     parts = [allocated(f.alloc_sites)] + [release_path(f.lost_sites)] * bool(f.lost_sites)
     if not f.lost_sites and f.lost_from:
         parts.append(f"from:{f.lost_from}")  # dropped without a release: from where
+    elif not f.lost_sites and f.lost_by:
+        parts.append(f.lost_by)  # no owner, no release: the target's fact (a row write's place)
     return _checked(f, parts)
 
 
@@ -152,6 +155,9 @@ def _con_leak(f) -> list:
         out.append(("stack", "its last owner let go of it at (a release that left it out):", f.lost_sites))
     elif f.lost_from:
         out.append(("text", f"its last owner was dropped from: {f.lost_from} (no release freed anything of it)", ""))
+    elif f.lost_by:
+        out.append(("text", f"no owner held it, no release named it; what lost it (the target's record): {f.lost_by}",
+                    ""))
     return out
 
 

@@ -297,6 +297,13 @@ class Target:
         the target has no row table (leaks are not split direct/indirect through rows)."""
         return None
 
+    def lost_by(self, pool: str, units) -> list[str] | None:
+        """Per unit of ``units`` (``[n] int64`` of ``pool``, leaked: no owner held them at the previous check
+        and no release since names them) what lost it, as the target recorded it (a leak signature's second
+        part: one value per root cause, e.g. where a row write put it), ``""`` for nothing recorded; None
+        (default): the target records nothing."""
+        return None
+
     def free_lists(self) -> dict:
         """``{pool: [n] int64}``: the engine's free lists, checked against the event log; default none."""
         return {}

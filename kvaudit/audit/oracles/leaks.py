@@ -34,8 +34,8 @@ def leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray],
     return out
 
 def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
-                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
-    # unit -> (site id, where) it lost its last owner (docs/internals/audit.md, leak attribution)
+                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple]:
+    # unit -> (site id, where[, by]) it lost its last owner (docs/internals/audit.md, leak attribution)
     # a leak re-reported at a later check keeps the attribution it had when first seen
     memo, last = auditor.lost_memo.setdefault(pool, {}), auditor.ledgers[pool].last_alloc
     out = {u: memo[u][1] for u in units.tolist() if u in memo and memo[u][0] == last[u]}
@@ -47,9 +47,10 @@ def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
     return out
 
 def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
-               prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
+               prev_owner: dict[str, np.ndarray]) -> dict[int, tuple]:
     # by the row that maps the unit; else by its owner at the previous check (a unit allocated since: the
-    # owner of its earlier allocation); else, for an owner that freed nothing, the place it was dropped from
+    # owner of its earlier allocation); else, for an owner that freed nothing, the place it was dropped from;
+    # else, for a unit no owner held, what the target says lost it (Target.lost_by: (-1, "", by))
     frees = [ev for ev in reversed(auditor.events[auditor.checked_upto:]) if ev.kind == "free"]
     had = prev_owner[pool][units]
     out = _by_row(auditor, target, pool, units, prev_owner, frees)
@@ -65,6 +66,9 @@ def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
     for u, oid in zip(units.tolist(), had.tolist()):
         if u not in out and oid > 0:
             out[u] = (-1, where.get(oid, ""))
+    rest = np.array([u for u in units.tolist() if u not in out], dtype=np.int64)
+    by = target.lost_by(pool, rest) if rest.size else None  # no owner, no release: what the target says lost it
+    out.update({u: (-1, "", b) for u, b in zip(rest.tolist(), by or ()) if b})
     return out
 
 def _by_owner(pool: str, units: np.ndarray, owners: np.ndarray, frees: list, prev_owner: dict[str, np.ndarray],

@@ -8,6 +8,7 @@ import torch
 
 from kvaudit.targets.base import PoolSpec, Target, wrap_insert
 from kvaudit.targets.sglang import compat
+from kvaudit.targets.sglang.rowwrites import RowWrites
 
 
 def host_units(slots: torch.Tensor, page_size: int) -> np.ndarray:
@@ -47,21 +48,46 @@ class SglangHooks(Target):
     """The ``install_*`` hooks; they read ``self.tree_cache`` and keep ``self.lock_net`` (node id -> incs - decs)."""
 
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        """Rows at ``alloc_rows``/``free_rows``; KV at ``alloc``/``free`` (page 1) or as the pages that left
-        the free set and at ``_release_page_ids`` (paged); ``clear()`` as a free of everything; host
-        pools at :meth:`_install_host_pool`."""
+        """Rows at ``alloc_rows``/``free_rows``, row writes at ``write`` (:meth:`_install_row_writes`); KV at
+        ``alloc``/``free`` (page 1) or as the pages that left the free set and at ``_release_page_ids``
+        (paged); ``clear()`` as a free of everything; host pools at :meth:`_install_host_pool`."""
         if spec.kind == "host":
             return self._install_host_pool(spec, auditor, wrap)
         auditor.wrap_clear(spec)
         if spec.kind == "rows":
             auditor.wrap_rows(spec, alloc="alloc_rows", free="free_rows")
-            return
+            return self._install_row_writes(spec, auditor, wrap)
         obj = spec.obj
         paged = spec.page_size > 1 or hasattr(obj, "_release_page_ids")  # (a paged one may be page 1)
         version = self.S.version
         self.install_kv(spec, auditor, wrap, paged, lambda: obj.free_group is not None,
                         census=lambda: compat.free_pages(obj, version),
                         page_ids=compat.has("free-page-ids", version))
+
+    def _install_row_writes(self, spec: PoolSpec, auditor, wrap) -> None:
+        """``ReqToTokenPool.write`` records where it puts KV units (:class:`RowWrites`, read by :meth:`lost_by`;
+        the spec feature's :func:`assign_rows` records its own writes)."""
+        if "token_to_kv_pool" not in auditor.ledgers or not hasattr(spec.obj, "write"):
+            return
+        self.row_writes = rec = RowWrites(auditor, "token_to_kv_pool", self.config.page_size, self._session_rows)
+        write = spec.obj.write
+
+        def write_wrapper(indices, values, *a, **k):
+            if type(indices) is tuple and len(indices) == 2 and torch.is_tensor(values) and values.numel():
+                rec.put(indices[0], values)
+            return write(indices, values, *a, **k)
+
+        wrap(spec.obj, "write", write_wrapper)
+
+    def _session_rows(self) -> list[int]:
+        """The rows the live session records hold."""
+        return [s.kv.req_pool_idx for _, s in self._slots() if s.kv.holds_kv]
+
+    def lost_by(self, pool: str, units) -> list[str] | None:
+        """Where the last row write put each of ``units`` (:meth:`RowWrites.lost_by`); None for a pool it
+        does not record."""
+        rec = getattr(self, "row_writes", None)
+        return rec.lost_by(units) if rec is not None and pool == rec.pool else None
 
     @staticmethod
     def install_kv(spec: PoolSpec, auditor, wrap, paged: bool, in_group, census=None, page_ids=True) -> None:

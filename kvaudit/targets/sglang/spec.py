@@ -15,6 +15,7 @@ The stand-in plays the draft and target forwards (:func:`accepted_drafts`, :func
 
 from __future__ import annotations
 
+import functools
 import weakref
 import zlib
 from unittest.mock import patch
@@ -37,13 +38,15 @@ def accepted_drafts(seed: int, rid: str, n_out: int, most: int) -> int:
     return zlib.crc32(f"{seed}:{rid}:{n_out}".encode()) % (most + 1)
 
 
-def assign_rows(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, batch_size) -> None:
+def assign_rows(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, batch_size,
+                record=None) -> None:
     """Stand-in for the GPU kernel ``allocation.assign_req_to_token_pool`` (``assign_req_to_token_pool_func``):
     row ``req_pool_indices[i]`` gets ``out_cache_loc``'s next ``end_offset[i] - start_offset[i]`` slots at
     ``[start_offset[i], end_offset[i])``, requests in batch order. As the kernel does, a position is
     ``row * row_width + offset`` in the flat table, with no bound check on the row's width: an end past the
     row writes into the next row (past the table's end, memory outside it on a GPU: dropped here, the
-    ``spec-row-width`` check reports the request)."""
+    ``spec-row-width`` check reports the request). ``record`` (a :class:`RowWrites`, optional) records where
+    the slots went, the ones past the table as such."""
     lens = (end_offset - start_offset).to(torch.int64).cpu()
     total = int(lens.sum())
     if total == 0:
@@ -54,6 +57,8 @@ def assign_rows(req_pool_indices, req_to_token, start_offset, end_offset, out_ca
     inside = flat < req_to_token.numel()
     req_to_token.view(-1)[flat[inside].to(req_to_token.device)] = \
         out_cache_loc[:total][inside.to(out_cache_loc.device)].to(req_to_token.dtype)
+    if record is not None:
+        record.put(flat // req_to_token.shape[1], out_cache_loc[:total], past=~inside)
 
 
 def _install_release_wrapper() -> None:
@@ -144,7 +149,8 @@ class SpecDecode(SglangFeature):
 
         before = sum(r.kv.kv_allocated_len for r in batch.reqs)
         # the two GPU kernels: the row writes, and (page > 1) get_last_loc's triton dispatch -> SGLang's torch variant
-        with patch.object(allocation, "assign_req_to_token_pool_func", assign_rows), \
+        assign = functools.partial(assign_rows, record=getattr(self.target, "row_writes", None))
+        with patch.object(allocation, "assign_req_to_token_pool_func", assign), \
                 patch.object(allocation, "get_last_loc", allocation.get_last_loc_torch):
             spec_prepare_for_decode(batch)
         self.reserved += sum(r.kv.kv_allocated_len for r in batch.reqs) - before
