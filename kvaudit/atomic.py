@@ -8,7 +8,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import stat
 import tempfile
 
 
@@ -30,7 +29,8 @@ def fd_link(path: str) -> str | None:
 def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
     """Write ``data`` to ``path`` via a temporary file, fsync and ``os.replace``: a reader sees the old
     file or the whole new one (``durable`` False: no fsync, whole after a process crash only). A missing
-    directory is made; a file written over keeps its permissions, a new one has the umask's. A symbolic
+    directory is made; a file written over keeps its permission bits (0o777: no setuid, setgid or sticky bit)
+    and, where the writer may give it, its owner and group; a new one has the umask's mode. A symbolic
     link stays one: the file it names is the one replaced (or made). Raises OSError, naming ``path`` where
     the failure was the file's (a full disk at the write, fsync or close of the temporary, which names no
     file or the temporary)."""
@@ -39,13 +39,20 @@ def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=d)
     try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)  # NOTE: a file written over keeps its mode (chmod 600 stays)
+        old = os.stat(target)
     except OSError:
+        old = None
+    if old is not None:
+        mode = old.st_mode & 0o777  # NOTE: a file written over keeps its permissions (600 stays), no setuid bit
+    else:
         umask = os.umask(0)
         os.umask(umask)
         mode = 0o666 & ~umask
     try:
         os.fchmod(fd, mode)  # mkstemp makes 0600; a report is an ordinary file
+        if old is not None and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
+            with contextlib.suppress(OSError):  # (best effort: a root's run over a user's file leaves it theirs)
+                os.fchown(fd, old.st_uid, old.st_gid)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

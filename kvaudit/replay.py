@@ -273,10 +273,19 @@ def load_cases(path: str) -> tuple[TargetConfig, list[tuple[TargetConfig, list[O
     return case[0], [case], doc
 
 
+# the keys of a replay document kvaudit reads; another one is kept as it is (a newer kvaudit's, a note)
+_KEYS = {"format", "config", "engine_version", "program", "findings", "fuzzer", "seed", "confirmations", "minimized",
+         "minimized_from"}
+
+
 def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
     if "config" not in doc and doc.get("interrupted") is True and doc.get("executions") == 0:
         raise NothingRecordedError(f"{path}: nothing recorded: the run was interrupted (Ctrl-C or SIGTERM) during "
                                    "start-up, before it checked anything (no config, no program)")
+    for key in doc:
+        if isinstance(key, str) and key not in _KEYS and key.lower() in _KEYS:  # (a hand edit's "Findings")
+            raise ReplayFormatError(f"{path}: key {json_value(key, 60)} is not one kvaudit reads: keys are lower case "
+                                    f"({json_value(key.lower())})")
     for key in ("config", "program"):
         if key not in doc:
             raise ReplayFormatError(f"{path}: missing key {json_value(key)}")

@@ -304,12 +304,17 @@ def _write(tmp_path, name, text):
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": [{"kind": "leak", "pool": "p", '
      '"message": "m"}, {"kind": "leak", "pool": "p", "message": "m", "note": "triaged"}]}',
      'bad findings: unknown field "note" (finding #1)'),
+    # (tm63: a hand edit's "Findings" was another key, kept and never read: the recorded findings went unread)
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "Findings": [{"kind": "leak", "pool": "p", '
+     '"message": "m"}]}', 'key "Findings" is not one kvaudit reads: keys are lower case ("findings")'),
+    ('{"format": "kvaudit.replay/1", "config": {}, "Program": []}',
+     'key "Program" is not one kvaudit reads: keys are lower case ("program")'),
     # (tester 61a: Python's own hint, "use sys.set_int_max_str_digits() to increase the limit", was the message)
     ('{"format": "kvaudit.replay/1", "config": {"seed": ' + "9" * 5000 + '}, "program": []}',
      "not a kvaudit replay file (a number of more than 4300 digits)"),
 ], ids=["object", "list", "string", "old-format", "newer-format", "text", "empty", "blank", "truncated", "truncated-between", "no-config", "no-program", "config-key",
         "config-list", "config-bug", "unknown-op", "arg-range-at-op-2", "program-object", "duplicate-key", "arg-range", "arg-type", "finding-fields", "findings-string", "finding-field-at-1",
-        "huge-number"])
+        "findings-case", "program-case", "huge-number"])
 def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, why):
     """A name the file holds is spelled as JSON spells it (it said ``unknown bug 'nope'``, ``missing key 'program'``)."""
     result = invoke("replay", _write(tmp_path, "in.json", content))

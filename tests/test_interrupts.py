@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -1082,9 +1083,9 @@ e.one_torch_thread = held
 '''
 
 
-def ctrl_c_on_a_terminal(tmp_path, args, hold: str, text: str) -> tuple[int, str]:
-    """Run the console script on a pseudo-terminal (its controlling terminal, as in a shell); once ``text`` is
-    shown, type Ctrl-C there: the terminal echoes ``^C`` and sends SIGINT. (exit code, everything shown)."""
+def ctrl_c_on_a_terminal(tmp_path, args, hold: str, text) -> tuple[int, str]:
+    """Run the console script on a pseudo-terminal (its controlling terminal, as in a shell); once ``text`` (a
+    string, or a compiled pattern) is shown, type Ctrl-C there: the terminal echoes ``^C`` and sends SIGINT. (exit code, everything shown)."""
     import pty
     import select
 
@@ -1108,7 +1109,8 @@ def ctrl_c_on_a_terminal(tmp_path, args, hold: str, text: str) -> tuple[int, str
                 if not chunk:
                     break
                 shown += chunk
-            if not typed and text.encode() in shown:
+            if not typed and (text.search(shown.decode(errors="replace")) if isinstance(text, re.Pattern)
+                              else text.encode() in shown):
                 os.write(fd, b"\x03")
                 typed = True
     finally:
@@ -1133,3 +1135,36 @@ def test_ctrl_c_on_a_terminal_leaves_its_echoed_caret_c_on_a_line_of_its_own(tmp
     assert code == 130, shown[-2000:]
     assert "^C\r\n" in shown and "kvaudit: interrupted\r\n" in shown, repr(shown[-500:])
     assert "\r\nkvaudit: interrupted\r\n" in shown and "Traceback" not in shown, repr(shown[-500:])
+
+
+def _screen(shown: str) -> list[str]:
+    """The lines a terminal shows after ``shown`` (what rich's live display writes: CR, LF, cursor up, erase
+    line; other escape codes dropped)."""
+    lines, row, col = [""], 0, 0
+    for m in re.finditer(r"\x1b\[[0-9;?]*[A-Za-z]|\r|\n|[^\x1b\r\n]", shown):
+        t = m.group()
+        if t == "\r":
+            col = 0
+        elif t == "\n":
+            row += 1
+            lines += [""] * (row + 1 - len(lines))
+        elif t.endswith("A") and t.startswith("\x1b["):
+            row = max(0, row - int(t[2:-1] or 1))
+        elif t == "\x1b[2K":
+            lines[row] = ""
+        elif not t.startswith("\x1b"):
+            lines[row] = lines[row].ljust(col)[:col] + t + lines[row][col + 1:]
+            col += 1
+    return [line.rstrip() for line in lines]
+
+
+def test_ctrl_c_under_fuzz_s_live_status_leaves_no_stale_status_line(tmp_path):
+    """tm63: ending the echoed ^C's line moved the cursor one line below fuzz's live status, whose next redraw
+    and removal then started a line low: its first line ('kvaudit fuzz: fuzzing ━━━ 6.1s/30s') stayed on the
+    screen above the run's last lines. The live display's redraw clears the ^C's line itself."""
+    code, shown = ctrl_c_on_a_terminal(tmp_path, ["fuzz", "--max-time", "60", "--out", str(tmp_path / "out")],
+                                       "", re.compile(r"[1-9]\.\ds/1m00s"))  # (searching a second or more)
+    assert code == 130, shown[-2000:]
+    screen = [line for line in _screen(shown) if line]
+    assert not any("kvaudit fuzz: fuzzing" in line for line in screen), "\n".join(screen)
+    assert screen[-1] == "SUMMARY: kvaudit: no findings (interrupted).", "\n".join(screen)

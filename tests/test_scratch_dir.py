@@ -110,3 +110,19 @@ def test_an_atomic_write_through_a_link_replaces_the_file_it_names_and_keeps_the
     assert atomic.fd_link(str(tmp_path / "out")).startswith("/proc/")
     os.symlink("/proc/self/fd", tmp_path / "fdd")  # (tester2 56: a link to the directory of descriptors)
     assert re.fullmatch(r"/proc/\d+/fd/1", atomic.fd_link(str(tmp_path / "fdd" / "1")))
+
+
+def test_an_atomic_write_keeps_the_permission_bits_only_and_the_owner(tmp_path):
+    """tm63: the mode kept from the file written over was all of it (S_IMODE): its setuid, setgid and sticky
+    bits were set on the new content (setuid survived where the writer has CAP_FSETID, a root's run); and a
+    root's run over another user's file gave it to root. Now the permission bits (0o777) and, where the
+    writer may, the owner and group."""
+    path = tmp_path / "report.json"
+    path.write_text("old")
+    path.chmod(0o7755)  # setuid, setgid, sticky
+    os.chown(path, 65534, 65534) if os.geteuid() == 0 else None  # (nobody)
+    owner = path.stat().st_uid, path.stat().st_gid
+    atomic.write_text_atomic(str(path), "new")
+    assert path.read_text() == "new"
+    assert oct(path.stat().st_mode & 0o7777) == oct(0o755)
+    assert (path.stat().st_uid, path.stat().st_gid) == owner

@@ -10,7 +10,7 @@ import time
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
 from kvaudit.app.configs import check_db
 from kvaudit.config import json_value
-from kvaudit.app.progress import console as make_console, live_terminal
+from kvaudit.app.progress import LiveDisplay, console as make_console, live_terminal
 
 COLUMNS = ("worker", "state", "fuzzer", "executions", "exec/s", "coverage", "new", "dup", "flaky", "heartbeat")
 
@@ -109,11 +109,10 @@ def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
     if watch is None:
         show()
         return EXIT_CLEAN
-    from rich.live import Live
 
     try:
         if live_terminal(out):
-            with Live(console=out, auto_refresh=False) as live:
+            with LiveDisplay(console=out, auto_refresh=False) as live:
                 while True:
                     live.update(status_table(campaign_status(client, campaign), campaign), refresh=True)
                     time.sleep(watch)

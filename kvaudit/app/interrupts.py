@@ -55,15 +55,20 @@ def ignore_interrupts(clear: bool = False) -> None:
         INTERRUPTED.clear()
 
 
+LIVE: list = []  # the live displays showing now (progress.LiveDisplay): their next redraw clears the ^C's line
+
+
 def end_echoed_line(signum: int) -> None:
     """A Ctrl-C typed on a terminal echoes ``^C`` with no newline after it: end that line on standard error, so
     the next one starts on its own (``kvaudit: interrupted``, not ``^Ckvaudit: interrupted``). Only for SIGINT,
     and only where standard error is a terminal that echoes control characters (SIGTERM echoes nothing, a log
-    none). ``os.write``: safe inside a signal handler, whatever print it cut into. Never raises."""
+    none), and no live display is showing (its redraw clears the line; a newline put it a line low, leaving its
+    first line on the screen). ``os.write``: safe inside a signal handler, whatever print it cut into. Never
+    raises."""
     import os
     import termios
 
-    if signum != signal.SIGINT:
+    if signum != signal.SIGINT or LIVE:
         return
     try:
         lflag = termios.tcgetattr(2)[3]  # (not a terminal, or closed: termios.error, OSError)

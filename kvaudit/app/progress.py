@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvaudit.app.budget import duration
+from kvaudit.app.interrupts import LIVE
 from kvaudit.config import shown_controls
 
 if TYPE_CHECKING:
@@ -59,6 +60,23 @@ class _ShowControls(RenderHook):
         return [_Escaped(r) for r in renderables]
 
 
+class LiveDisplay(Live):
+    """rich's :class:`~rich.live.Live`, listed in :data:`interrupts.LIVE` while it shows: a Ctrl-C's echoed
+    ``^C`` is on its last line, which its next redraw clears (a newline after the ``^C`` would put that redraw,
+    and the removal of a transient one, a line low)."""
+
+    def start(self, refresh: bool = False) -> None:
+        super().start(refresh)
+        LIVE.append(self)
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            if self in LIVE:
+                LIVE.remove(self)
+
+
 def _columns() -> int:
     # COLUMNS off a terminal: a positive whole number, else 120 (a shell's `COLUMNS=abc` is not an error)
     text = os.environ.get("COLUMNS", "").strip()
@@ -88,7 +106,7 @@ class Progress:
 
     def __init__(self, console: Console, max_time: float, interval: float = PROGRESS_INTERVAL):
         self.console, self.max_time, self.interval = console, max_time, interval
-        self.live = Live(console=console, transient=True, auto_refresh=False) if live_terminal(console) else None
+        self.live = LiveDisplay(console=console, transient=True, auto_refresh=False) if live_terminal(console) else None
         self._last = 0.0
         self._phase = None
 
@@ -172,7 +190,7 @@ class OpProgress:
             return
         if live_terminal(self.console):
             if self.live is None:
-                self.live = Live(console=self.console, transient=True, auto_refresh=False)
+                self.live = LiveDisplay(console=self.console, transient=True, auto_refresh=False)
                 self.live.__enter__()
             self.live.update(Text(self.line()), refresh=True)
             self._next = now + 0.25
