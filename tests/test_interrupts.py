@@ -74,6 +74,7 @@ class Running:
 
     def __init__(self, tmp_path, args, hold_minimizer=False, hold=None):
         env = plain_env()
+        env["PYTHONFAULTHANDLER"] = "1"  # (a process that does not end: SIGABRT prints every thread's stack)
         if hold_minimizer or hold:
             hold_dir = tmp_path / "hold"
             hold_dir.mkdir()
@@ -106,9 +107,21 @@ class Running:
                 return line
 
     def finish(self, sig) -> tuple[int, str, str]:
-        """Send ``sig``; (exit code, stdout, stderr) once the process is done."""
+        """Send ``sig``; (exit code, stdout, stderr) once the process is done. A process still running after
+        LIMIT_S fails the test with its threads' stacks (SIGABRT: faulthandler), so a rare hang says where."""
         self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=LIMIT_S)
+        try:
+            code = self.proc.wait(timeout=LIMIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(timeout=30)
+                while (line := self._new.get(timeout=30)) is not None:
+                    self.lines.append(line)
+            except (subprocess.TimeoutExpired, queue.Empty):
+                pass
+            pytest.fail(f"not exited {LIMIT_S} s after {signal.Signals(sig).name}; its stderr, with the stacks "
+                        f"at SIGABRT:\n{''.join(self.lines)[-6000:]}")
         while (line := self._new.get(timeout=LIMIT_S)) is not None:
             self.lines.append(line)
         self._stdout.close()
