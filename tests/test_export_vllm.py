@@ -543,20 +543,26 @@ def test_a_history_bug_s_replay_line_says_whether_the_file_names_its_release(tmp
                                                         "on 0.16.0 it replays clean)")), line
 
 
+def _export_with_message(tmp_path, message: str, name: str) -> tuple[str, str]:
+    """(client script, issue) of ``kvaudit export`` over fault-skip-free.json with its first finding's message
+    ``message``, the file saved as ``name``; the export must exit 0."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")))
+    doc["findings"][0]["message"] = message
+    src = tmp_path / name
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
+               "--no-resolve")
+    assert r.exit_code == 0, r.output
+    return (tmp_path / "c.py").read_text(), (tmp_path / "i.md").read_text()
+
+
 def test_a_message_with_quotes_backslashes_or_control_characters_exports_a_client_that_compiles(tmp_path):
     """tg63: the client's docstring opens with the title, which (without an analysis) quotes the finding's
     message: a message holding ``\"\"\"`` or a backslash (``\\x`` with no hex after it, ``\\N``) made a script
     that does not compile, and an escape sequence or a NUL went raw into the script and the issue."""
     import warnings
 
-    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")))
-    doc["findings"][0]["message"] = 'held """ \\x \\N{ \\ \x1b[2J \x00 end"'
-    src = tmp_path / 'odd "q" \\.json'
-    src.write_text(json.dumps(doc))
-    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
-               "--no-resolve")
-    assert r.exit_code == 0, r.output
-    script, issue = (tmp_path / "c.py").read_text(), (tmp_path / "i.md").read_text()
+    script, issue = _export_with_message(tmp_path, 'held """ \\x \\N{ \\ \x1b[2J \x00 end"', 'odd "q" \\.json')
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (an invalid escape such as "\." warns, a later Python refuses it)
         code = compile(script, "c.py", "exec")
@@ -570,17 +576,11 @@ def test_a_message_with_quotes_backslashes_or_control_characters_exports_a_clien
 def test_a_message_of_several_lines_gives_the_issue_a_one_line_title(tmp_path):
     """tg63: a crash's message is the exception's (``AssertionError: ...`` with the lines an assertion message
     spans): the issue's ``# title`` took its first line only and the rest fell into the body as loose text."""
-    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")))
-    doc["findings"][0]["message"] = "blocks held\n  by req-1\r\n\tafter free"
-    src = tmp_path / "multi.json"
-    src.write_text(json.dumps(doc))
-    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
-               "--no-resolve")
-    assert r.exit_code == 0, r.output
-    first = (tmp_path / "i.md").read_text().splitlines()[0]
+    script, issue = _export_with_message(tmp_path, "blocks held\n  by req-1\r\n\tafter free", "multi.json")
+    first = issue.splitlines()[0]
     assert first.startswith("# [planted fault, not a vLLM bug] leak in block_pool at ") and \
         first.endswith(": blocks held by req-1 after free"), first
-    assert first[2:] in (tmp_path / "c.py").read_text().splitlines()[1]
+    assert first[2:] in script.splitlines()[1]
 
 
 def test_an_op_the_client_ignores_is_said_to_send_nothing_once(tmp_path):
