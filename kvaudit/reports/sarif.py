@@ -202,6 +202,21 @@ def _escape(text: str) -> str:
     return re.sub(r"([\[\]])", r"\\\1", re.sub("[\ud800-\udfff]", "", text))
 
 
+def _current_lines(stacks: list, engine: RecordedEngine | None) -> Callable[[str], str]:
+    """A text -> the text with each frame of ``stacks`` it names (``hisparse.py:183 in admit_request_direct``, as
+    :meth:`Site.short` writes it) at the line its locations give, where the current source moved it."""
+    moved = {}
+    for _, _, frames in stacks:
+        for s in frames:
+            line = resolve(s, engine).line
+            if line != s.line:
+                moved[s.short()] = f"{os.path.basename(s.file)}:{line} in {s.function}"
+    if not moved:
+        return lambda text: text
+    pattern = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, sorted(moved, key=len, reverse=True))) + r")(?!\w)")
+    return lambda text: pattern.sub(lambda m: moved[m[1]], text)
+
+
 def verdict_text(lines: list[str]) -> str:
     """An engine check's recorded lines (``Finding.engine_check``) as the text after ``engine
     check_memory():``: ``ok``, or ``FAILED: `` and the failing lines."""
@@ -287,8 +302,10 @@ def _a_file(site: Site) -> bool:
     return site.line >= 1 and artifact_location(site.file) is not None
 
 
-def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngine | None) -> tuple[list, list]:
-    """``relatedLocations`` (every addressable frame but the primary) and the message's embedded links."""
+def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngine | None,
+             now: Callable[[str], str] = str) -> tuple[list, list]:
+    """``relatedLocations`` (every addressable frame but the primary) and the message's embedded links (their
+    frames named by ``now``: :func:`_current_lines`)."""
     related: list[dict] = []
     links: list[str] = []
     for k, label, frames in stacks:
@@ -303,15 +320,16 @@ def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngin
             if depth == lead and k != key:
                 other = frame_release(s, engine)
                 on = f" in {engine.package} {other}" if other is not None else ""
-                links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(s.short())}{on})")
+                links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(now(s.short()))}{on})")
     return related, links
 
 
 def _message(f: Finding, links: list[str], primary: Site, where: str, recorded_on: str = "",
-             package: str = "", any_frames: bool = False, outside: bool = False) -> str:
-    summary = f.summary()
+             package: str = "", any_frames: bool = False, outside: bool = False,
+             now: Callable[[str], str] = str) -> str:
+    summary = now(f.summary())
     lines = [_escape(summary)]
-    detail = f": {f.message}" if f.message and f.message not in summary else ""
+    detail = f": {now(f.message)}" if f.message and f.message not in f.summary() else ""
     if f.op_index >= 0 or f.step >= 0:
         lines.append(_escape(f"Detected after op #{f.op_index} at scheduler step {f.step}{detail}."))
     elif detail:
@@ -380,14 +398,16 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
     primary, primary_label, where = _primary(stacks, key, target, f.kind, engine)
     others = sorted({v for _, _, frames in stacks for s in frames if (v := frame_release(s, engine)) is not None})
     recorded_on = f"{engine.package} {', '.join(others)}" if others else ""
-    related, links = _related(stacks, primary, key, engine)
+    now = _current_lines(stacks, engine)  # (the message names the lines its locations point at)
+    related, links = _related(stacks, primary, key, engine, now)
     outside = where == FRAME_ELSEWHERE or (where in (ANCHOR, CONFIG_ANCHOR) and not in_repo(primary))
     result: dict = {
         "ruleId": f.kind,
         "ruleIndex": rule_index,
         "level": level,
         "message": {"text": _message(f, links, primary, where, recorded_on, engine.package if engine else "",
-                                     any_frames=any(frames for _, _, frames in stacks), outside=outside)},
+                                     any_frames=any(frames for _, _, frames in stacks), outside=outside,
+                                     now=now)},
         "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
                                 region_fallback=True, engine=engine)],
         "partialFingerprints": {FINGERPRINT_KEY: f.signature},
