@@ -115,6 +115,16 @@ def _installed_file(p: str) -> str | None:
     return src if src != os.path.join(_CHECKOUT, p) else None
 
 
+def _local(path: str) -> str:
+    """``path`` as a ``file://`` location names it (:func:`artifact_location`): a package-relative one (a plugin
+    package on ``sys.path``) where it lies here; any other as it is."""
+    p = _norm(path)
+    if not p or p.startswith(("/", "<")) or WINDOWS_ABS.match(p):
+        return p
+    src = _installed_file(p)
+    return _norm(src) if src is not None else p
+
+
 def engine_base_id(package: str) -> str:
     return f"%{package.upper()}_ROOT%"
 
@@ -349,13 +359,13 @@ def _message(f: Finding, links: list[str], primary: Site, where: str, recorded_o
                 else "the target kind's config class: the kind names no engine code for this state")
         lines.append(_escape(f"({why}: shown at {primary.function}, {what}.)"))
         if outside:  # (a plugin's config class, run from outside its folder)
-            lines.append(_escape(f"(That is {_norm(primary.file)}, not a file under the current directory, so "
+            lines.append(_escape(f"(That is {_local(primary.file)}, not a file under the current directory, so "
                                  "code scanning cannot show this result in the repository. Run kvaudit from the "
                                  "root of the repository that holds the engine.)"))
     elif where == FRAME_ELSEWHERE:
         lines.append(_escape(f"(No recorded frame is a file under the current directory, so code scanning cannot "
                              f"show this result in the repository: it is located at its own frame, "
-                             f"{_norm(primary.file)}:{primary.line}, by that path. Run kvaudit from the root of "
+                             f"{_local(primary.file)}:{primary.line}, by that path. Run kvaudit from the root of "
                              "the repository that holds the engine.)"))
     if f.engine_check:
         lines.append(_escape(engine_verdict(f)))
