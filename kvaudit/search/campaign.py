@@ -475,7 +475,7 @@ def _append_run_record(corpus: str, record: dict, warnings: list[str]) -> OSErro
     path = os.path.join(corpus, "campaign.json")
     doc: dict = {"format": CAMPAIGN_FORMAT, "runs": []}
     try:
-        with open(path) as fh:
+        with open(path, encoding="utf-8-sig") as fh:  # (UTF-8 whatever the locale; a BOM, an editor's, skipped)
             text = fh.read()
         doc = json.loads(text)
         if not isinstance(doc, dict):
