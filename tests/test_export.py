@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from cli_helpers import export_all, invoke, one_error_line
+from cli_helpers import export_all, export_edited, invoke, one_error_line
 from kvaudit import replay
 from kvaudit.export.http_api import apis
 from kvaudit.export.issue import SECTIONS
@@ -563,16 +563,14 @@ def test_a_file_recorded_on_another_release_is_exported_as_that_release(tmp_path
     """A replay file's ``engine_version`` other than the release the HTTP table was read on (0.5.23) is the
     release the issue and the client name, with how to replay on it; the file's own release, or none, is
     0.5.23 as before (the tester: a 0.5.22 file's issue said "Found ... in SGLang 0.5.23")."""
-    doc = json.load(open(os.path.join(ROOT, "corpora", "sglang", "crash-a1-checkpoint-into-tree-after-abort.json")))
-    doc.pop("engine_version", None)
-    if recorded is not None:
-        doc["engine_version"] = recorded
+    def edit(doc):
+        doc.pop("engine_version", None)
+        if recorded is not None:
+            doc["engine_version"] = recorded
+
     src = tmp_path / "f.json"
-    src.write_text(json.dumps(doc))
-    r = invoke("export", str(src), "--client", str(tmp_path / "c.py"), "--issue", str(tmp_path / "c.md"),
-               "--no-resolve")
-    assert r.exit_code == 0, r.output
-    issue, client = (tmp_path / "c.md").read_text(), (tmp_path / "c.py").read_text()
+    client, issue = export_edited(tmp_path, os.path.join(ROOT, "corpora", "sglang",
+                                                         "crash-a1-checkpoint-into-tree-after-abort.json"), edit)
     on = recorded or "0.5.23"
     assert f"Found by kvaudit (a memory auditor for KV-cache schedulers) in SGLang {on}" in issue
     assert f"`pip install sglang=={on}`" in issue
