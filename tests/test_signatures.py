@@ -286,9 +286,8 @@ DECODE = {
     "session-close-while-running": [
         [OpenSession(), Submit(0, 1, 4, session=1), Step(3), CloseSession(0), Step(1)],
         [OpenSession(), Submit(0, 1, 3, stop_at=4, session=1), Step(3), CloseSession(0), Step(1)]],
-    "retract-unaligned-page": [
-        [Submit(0, 20, 3, stop_at=11), Step(2), PauseGeneration(mode=2), Step(1)],
-        [Submit(0, 1, 7), Submit(0, 11, 4), Step(3), MemoryPressure(), Idle()]],
+    # (retract-unaligned-page was here while its switch skipped the request's last page, which decode may
+    # have allocated; sglang PR #4977's retraction skips the page holding the prompt's end, always prefill's)
 }
 
 
