@@ -64,8 +64,8 @@ BUGS: dict[str, BugInfo] = {
             "sglang PR #4977",
             "retract",
             "leak",
-            "a request retracted on decode OOM frees a range whose end is floored to a page boundary, "
-            "skipping the partly filled last page it owns: one page leaks per retraction",
+            "a request retracted on decode OOM frees from its prompt's end padded up to a page, skipping "
+            "the page that holds an unaligned prompt end: one page leaks per such retraction",
             min_ops=5,
         ),
         BugInfo(

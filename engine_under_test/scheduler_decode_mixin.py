@@ -60,9 +60,9 @@ class SchedulerDecodeMixin:
     def release_req(self, req: Req) -> None:
         """Release a retracted request's KV without caching it, and reset it to re-prefill."""
         if "retract-unaligned-page" in self.config.bugs:
-            # BUG (sglang PR #4977): the retraction free range was padded to page bounds by
-            # flooring its end, so the partly filled last page the request owned was skipped.
-            req.kv.kv_allocated_len = req.kv.kv_allocated_len // self.page_size * self.page_size
+            # BUG (sglang PR #4977): the retraction free range began at the cached prompt's end padded up to a
+            # page, so the page that holds an unaligned prompt end (and the first decode tokens) was skipped.
+            req.kv.cache_protected_len = max(req.kv.cache_protected_len, self.ceil_page(req.extend_end))
         if self.hisparse_coordinator is not None:
             self.hisparse_coordinator.retract_req(req)
         self.release_kv_cache(req, checkpoint=False)

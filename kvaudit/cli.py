@@ -21,7 +21,7 @@ from kvaudit.app.configs import (FuzzerChoice, TargetChoice, bugs_renderables, c
                                  presets_table, replay_tree_core_option, select_config)
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvaudit.app.files import check_outputs
-from kvaudit.app.interrupts import restoring_sigint, write_startup_reports
+from kvaudit.app.interrupts import end_startup_interrupt, restoring_sigint
 from kvaudit.constants import CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT
 from kvaudit.search import fuzzers
 from kvaudit.reports.outputs import FORMATS
@@ -83,9 +83,8 @@ class KvauditGroup(_NamesItsCommand, click.Group):
             return sys.exit(EXIT_USAGE)
         except (click.Abort, KeyboardInterrupt, _Interrupted):
             # only before a job began does an interrupt get here (a job writes its own reports, then
-            # returns): `ci` still writes the JUnit and SARIF asked for
-            write_startup_reports(sys.argv[1:] if args is None else list(args))
-            click.echo("kvaudit: interrupted", err=True)
+            # returns): `ci` and `fuzz` still write the reports asked for and their SUMMARY: line
+            end_startup_interrupt(sys.argv[1:] if args is None else list(args))
             return sys.exit(EXIT_INTERRUPTED)
         except Exception as e:  # a kvaudit bug: say so in one line, keep the traceback opt-in
             if os.environ.get("KVAUDIT_DEBUG"):

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from kvaudit.app.interrupts import end_echoed_line, write_startup_reports  # standard library only: before the guard
+from kvaudit.app.interrupts import end_echoed_line, end_startup_interrupt  # standard library only: before the guard
 
 HEAVY = ("fuzz", "replay", "minimize", "ci", "bench", "report")  # commands that import torch and Hypothesis
 GUARDED = ("fuzz", "minimize", "ci", "bench")  # commands that take Ctrl-C and SIGTERM themselves (restoring_sigint)
@@ -53,8 +53,7 @@ def main() -> None:
         if not hit:
             raise
     if hit:
-        write_startup_reports(args)  # `ci` writes its JUnit and SARIF from the first line
-        sys.stderr.write("kvaudit: interrupted\n")
+        end_startup_interrupt(args)  # `ci` and `fuzz` write their reports and SUMMARY: line from the first line
         _exit(SystemExit(130), fast=True)  # (no teardown of what was half-imported: a second signal kills it)
         sys.exit(130)
     if not (runs_engine and args[0] in GUARDED):  # those keep the guard until they take both themselves

@@ -1,5 +1,6 @@
 """Helpers shared by the CLI tests (test_cli.py, test_suppress.py, test_report.py, test_export*.py)."""
 
+import json
 import os
 import shutil
 import sys
@@ -14,6 +15,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def invoke(*args, env=None):
     """Run ``kvaudit ARGS`` in-process; returns click's Result (stdout and stderr apart)."""
     return CliRunner().invoke(main, list(args), env=env)
+
+
+def export_edited(tmp_path, src: str, edit, name: str = "f.json") -> tuple[str, str]:
+    """(client script, issue) of ``kvaudit export --no-resolve`` over the replay file ``src`` as ``edit(doc)``
+    changed it, saved as ``tmp_path / name``; the export must exit 0."""
+    with open(src) as f:
+        doc = json.load(f)
+    edit(doc)
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    r = invoke("export", str(path), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
+               "--no-resolve")
+    assert r.exit_code == 0, r.output
+    return (tmp_path / "c.py").read_text(), (tmp_path / "i.md").read_text()
 
 
 def export_all(files, under, out, root=ROOT):

@@ -355,6 +355,21 @@ def test_the_run_record_keeps_the_users_keys_and_sets_aside_entries_that_are_not
     assert not warnings and len(json.loads(path.read_text())["runs"]) == 3 and not os.path.exists(f"{path}.unreadable-1")
 
 
+def test_a_run_record_saved_with_a_byte_order_mark_is_added_to_not_set_aside(tmp_path):
+    """Stop 63's BOM: a DIR/campaign.json an editor saved with a UTF-8 BOM was "not a run record", moved aside
+    and a new one started without its runs; it is read as it is now (and written back without the mark)."""
+    from kvaudit.search.campaign import _append_run_record
+
+    path, run = tmp_path / "campaign.json", {"started": "2026-12-01T00:00:00Z"}
+    path.write_bytes("\ufeff".encode() + json.dumps({"format": "kvaudit.campaign/1", "owner": "ü", "runs": [run]},
+                                                       ensure_ascii=False).encode())
+    warnings = []
+    assert _append_run_record(str(tmp_path), {"started": "2026-12-02T00:00:00Z"}, warnings) is None
+    assert warnings == [] and not os.path.exists(f"{path}.unreadable")
+    doc = json.loads(path.read_bytes().decode("utf-8"))
+    assert doc["owner"] == "ü" and doc["runs"] == [run, {"started": "2026-12-02T00:00:00Z"}]
+
+
 def test_a_run_record_whose_runs_is_not_a_list_keeps_the_users_other_keys(tmp_path):
     """tester 57: {"runs": {...}, "owner": ...} was moved aside whole and the new file lost "owner"; a top-level
     array was called "runs is not a list". The keys stay, the runs value is copied aside with the file; a file

@@ -816,6 +816,28 @@ def test_replay_update_refuses_a_file_whose_finding_changed_kind(tmp_path):
     assert json.loads(path.read_text()) == doc
 
 
+def test_replay_update_goes_on_past_a_file_it_cannot_read_and_names_each(tmp_path):
+    """Stop 63: `replay --update` over several files stopped at the first it could not read (exit 2), leaving the
+    files after it as they were. Each such file is named in one line now, the others re-recorded, and the exit
+    code is the first such file's (2 here; 5 the --json of a run interrupted at start-up)."""
+    broken, cut = tmp_path / "broken.json", tmp_path / "cut.json"
+    broken.write_text("{not json")
+    cut.write_text(json.dumps({"format": "kvaudit.replay/1", "program": [], "findings": [], "executions": 0,
+                               "interrupted": True}))
+    a, _ = _stale_copy(tmp_path, "overlap-abort-double-free.json")
+    b, _ = _stale_copy(tmp_path, "retract-unaligned-page.json")
+    result = invoke("replay", "--update", str(a), str(broken), str(b), str(cut))
+    assert result.exit_code == 2, result.output
+    assert result.stdout.count(": updated: ") == 2 and str(b) in result.stdout, result.stdout
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 2 and "Traceback" not in result.output, result.stderr
+    assert errors[0].startswith(f"kvaudit: error: {broken} is not JSON: ")
+    assert errors[1].startswith(f"kvaudit: error: {cut}: nothing recorded: ")
+    assert broken.read_text() == "{not json"
+    again = invoke("replay", "--update", str(cut), str(a))
+    assert again.exit_code == 5 and again.stdout.strip().endswith(": unchanged"), again.output
+
+
 @pytest.mark.parametrize("args", [
     ["a.json", "b.json"],
     ["--update", "--json", "out.json", "a.json"],

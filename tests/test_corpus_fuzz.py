@@ -2,6 +2,7 @@
 executions on fixed seeds, it is deterministic per seed, its corpus grows only on new abstract
 states, and its mutations keep programs valid."""
 
+import json
 import random
 
 import pytest
@@ -163,6 +164,19 @@ def test_the_store_skips_unreadable_files_and_picks_up_other_workers_programs(tm
     a.save([Submit(), Idle()])
     assert b.load_new() == [[Submit(), Idle()]]
     assert len(list(d.iterdir())) == 4
+
+
+def test_the_store_reads_a_program_file_saved_with_a_byte_order_mark(tmp_path):
+    """Stop 63: a program file in DIR/programs/ an editor saved with a UTF-8 BOM was counted unreadable and
+    skipped (replay files read one since stop 63); it loads as the same program now."""
+    from kvaudit.search.corpus_fuzz import CorpusStore
+
+    d = tmp_path / "programs"
+    d.mkdir()
+    (d / "edited.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"format": "kvaudit.program/1", "program": [
+        {"op": "submit"}, {"op": "idle"}]}).encode())
+    store = CorpusStore(str(d))
+    assert store.load_new() == [[Submit(), Idle()]] and store.skipped == []
 
 
 @pytest.mark.parametrize("search", ["random", "corpus"])

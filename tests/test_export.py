@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from cli_helpers import export_all, invoke, one_error_line
+from cli_helpers import export_all, export_edited, invoke, one_error_line
 from kvaudit import replay
 from kvaudit.export.http_api import apis
 from kvaudit.export.issue import SECTIONS
@@ -563,16 +563,14 @@ def test_a_file_recorded_on_another_release_is_exported_as_that_release(tmp_path
     """A replay file's ``engine_version`` other than the release the HTTP table was read on (0.5.23) is the
     release the issue and the client name, with how to replay on it; the file's own release, or none, is
     0.5.23 as before (the tester: a 0.5.22 file's issue said "Found ... in SGLang 0.5.23")."""
-    doc = json.load(open(os.path.join(ROOT, "corpora", "sglang", "crash-a1-checkpoint-into-tree-after-abort.json")))
-    doc.pop("engine_version", None)
-    if recorded is not None:
-        doc["engine_version"] = recorded
+    def edit(doc):
+        doc.pop("engine_version", None)
+        if recorded is not None:
+            doc["engine_version"] = recorded
+
     src = tmp_path / "f.json"
-    src.write_text(json.dumps(doc))
-    r = invoke("export", str(src), "--client", str(tmp_path / "c.py"), "--issue", str(tmp_path / "c.md"),
-               "--no-resolve")
-    assert r.exit_code == 0, r.output
-    issue, client = (tmp_path / "c.md").read_text(), (tmp_path / "c.py").read_text()
+    client, issue = export_edited(tmp_path, os.path.join(ROOT, "corpora", "sglang",
+                                                         "crash-a1-checkpoint-into-tree-after-abort.json"), edit)
     on = recorded or "0.5.23"
     assert f"Found by kvaudit (a memory auditor for KV-cache schedulers) in SGLang {on}" in issue
     assert f"`pip install sglang=={on}`" in issue
@@ -676,3 +674,57 @@ def test_fuzz_says_when_kvaudit_ships_an_analysis_of_the_finding():
     config, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "regressions",
                                                       sorted(os.listdir(os.path.join(ROOT, "corpora", "regressions")))[0]))
     assert shipped_analysis(config, findings, "x.json") == ""
+
+
+def test_a_campaign_says_when_kvaudit_ships_an_analysis_of_a_new_finding(tmp_path):
+    """Stop 63: a single fuzz run re-finding an analysed finding printed the `known:` line, a campaign (`fuzz
+    --corpus`, `--workers`) reporting the same finding's file printed none. Now the same line, before its report."""
+    import io
+    import shutil
+
+    from rich.console import Console
+
+    from kvaudit.app.fuzz import _campaign_cases, shipped_analysis
+    from kvaudit.search.campaign import CampaignResult
+
+    src = os.path.join(ROOT, "corpora", "sglang", "leak-a3-hisparse-buffer-padded-at-finish.json")
+    path = str(tmp_path / "found.json")
+    shutil.copy(src, path)
+    config, _, findings, _ = replay.load(path)
+    console, err = (Console(file=io.StringIO(), width=100_000) for _ in range(2))
+    _campaign_cases(CampaignResult(new={findings[0].signature: path}), config, console, err)
+    out = console.file.getvalue().splitlines()
+    known = shipped_analysis(config, findings, path)
+    assert known.startswith("known: ") and out.count(known) == 1, out[:5]
+    assert out.index(known) < next(i for i, line in enumerate(out) if "==ERROR: kvaudit:" in line)
+
+
+def test_ci_says_when_kvaudit_ships_an_analysis_of_a_new_finding(tmp_path, monkeypatch):
+    """The same for `kvaudit ci`'s campaigns (a job over a real engine re-finding an analysed finding said
+    nothing of it): its report of the new file starts with the `known:` line. The campaign and the engine's
+    presence are stood in for: the job's own code prints."""
+    import shutil
+
+    import kvaudit.app.configs as configs
+    from kvaudit.app.fuzz import shipped_analysis
+    from kvaudit.search import campaign
+
+    src = os.path.join(ROOT, "corpora", "sglang", "leak-a3-hisparse-buffer-padded-at-finish.json")
+    config, _, findings, _ = replay.load(src)
+
+    def found_it(config, fuzzer, budget, seed, workers, corpus, *a, **k):
+        path = os.path.join(campaign.findings_dir(corpus), "found.json")
+        os.makedirs(os.path.dirname(path))
+        shutil.copy(src, path)
+        return campaign.CampaignResult(new={findings[0].signature: path})
+
+    monkeypatch.setattr(campaign, "run_campaign", found_it)
+    monkeypatch.setattr(configs, "require_target", lambda config: None)
+    (tmp_path / "regs").mkdir()
+    r = invoke("ci", "--target", "sglang", "--presets", config.preset, "--max-time", "10", "--regressions",
+               str(tmp_path / "regs"), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 1, r.output
+    known = shipped_analysis(config, findings, str(tmp_path / "out" / "found.json"))
+    out = r.stdout.splitlines()
+    assert known.startswith("known: ") and out.count(known) == 1, r.stdout[:2000]
+    assert out.index(known) < next(i for i, line in enumerate(out) if "==ERROR: kvaudit:" in line)

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from cli_helpers import export_all, invoke, one_error_line
+from cli_helpers import export_all, export_edited, invoke, one_error_line
 from release_helpers import child_env
 from kvaudit import replay
 from kvaudit.export.http_api import apis
@@ -546,14 +546,10 @@ def test_a_history_bug_s_replay_line_says_whether_the_file_names_its_release(tmp
 def _export_with_message(tmp_path, message: str, name: str) -> tuple[str, str]:
     """(client script, issue) of ``kvaudit export`` over fault-skip-free.json with its first finding's message
     ``message``, the file saved as ``name``; the export must exit 0."""
-    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")))
-    doc["findings"][0]["message"] = message
-    src = tmp_path / name
-    src.write_text(json.dumps(doc))
-    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--client", str(tmp_path / "c.py"),
-               "--no-resolve")
-    assert r.exit_code == 0, r.output
-    return (tmp_path / "c.py").read_text(), (tmp_path / "i.md").read_text()
+    def edit(doc):
+        doc["findings"][0]["message"] = message
+
+    return export_edited(tmp_path, os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json"), edit, name)
 
 
 def test_a_message_with_quotes_backslashes_or_control_characters_exports_a_client_that_compiles(tmp_path):

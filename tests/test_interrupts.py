@@ -834,6 +834,7 @@ def test_sigterm_while_the_target_loads_exits_130_with_one_line(tmp_path, launch
     code, out, err = run.finish(signal.SIGTERM)
     assert code == 130, err
     assert err.strip().splitlines()[-1] == "kvaudit: interrupted" and "Traceback" not in err
+    assert out.splitlines() == ["SUMMARY: kvaudit: no findings (interrupted)."]  # (stop 63: none)
 
 
 def test_ci_interrupted_while_the_target_loads_writes_its_junit(tmp_path, launch):
@@ -860,9 +861,9 @@ def signal_caught(pid: int, sig: int) -> bool:
     return bool(int(mask, 16) >> (sig - 1) & 1)
 
 
-def interrupted_at_start_up(args: list[str], sig) -> tuple[int, str]:
+def interrupted_at_start_up(args: list[str], sig) -> tuple[int, str, str]:
     """``kvaudit ARGS`` sent ``sig`` as soon as the entry point's guard is in (it catches SIGTERM, which Python
-    alone does not; it installs SIGINT's handler first), whatever the load: (exit code, stderr)."""
+    alone does not; it installs SIGINT's handler first), whatever the load: (exit code, stdout, stderr)."""
     proc = subprocess.Popen([kvaudit_script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=plain_env())
     try:
@@ -871,12 +872,12 @@ def interrupted_at_start_up(args: list[str], sig) -> tuple[int, str]:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.001)
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=LIMIT_S)
+        out, err = proc.communicate(timeout=LIMIT_S)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return proc.returncode, err
+    return proc.returncode, out, err
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc to see the guard installed")
@@ -886,10 +887,12 @@ def test_ci_interrupted_during_its_imports_writes_its_junit_and_sarif(tmp_path, 
     'kvaudit: interrupted' and wrote no --junit; from about 1.6 s on it did. The signal is sent as soon
     as the entry point's guard is installed (it catches SIGTERM; Python alone does not), whatever the load."""
     junit, sarif = tmp_path / "ci.xml", tmp_path / "ci.sarif"
-    returncode, err = interrupted_at_start_up(["ci", "--max-time", "60", "--out", str(tmp_path / "out"),
-                                               f"--junit={junit}", "--sarif", str(sarif)], sig)
+    returncode, out, err = interrupted_at_start_up(["ci", "--max-time", "60", "--out", str(tmp_path / "out"),
+                                                    f"--junit={junit}", "--sarif", str(sarif)], sig)
     assert returncode == 130, err
     assert err.strip().splitlines()[-1] == "kvaudit: interrupted" and "Traceback" not in err
+    assert out.splitlines() == ["SUMMARY: kvaudit: no new findings (interrupted).",  # (stop 63: none)
+                                "INTERRUPTED: 0/0 regressions ok, 0 new finding(s)"]
     assert "kvaudit ci:" not in err  # stopped before the job began: start-up's own path wrote the files
     xml = junit.read_text()
     assert 'name="interrupted"' in xml and "<skipped" in xml and 'failures="0"' in xml and "start-up" in xml
@@ -905,12 +908,13 @@ def test_a_campaign_interrupted_during_its_imports_writes_its_json_sarif_and_jun
     the single-process run the same). Now they say nothing was checked. SIGINT at its default in the child:
     the guard catches it whatever this process inherited."""
     paths = {k: tmp_path / f"r.{k}" for k in ("json", "sarif", "xml", "html")}
-    returncode, err = interrupted_at_start_up(["fuzz", "--max-time", "60", "--workers", "2", "--no-seeds", "--corpus",
-                                               str(tmp_path / "c"), "--json", str(paths["json"]), "--sarif",
-                                               str(paths["sarif"]), f"--junit={paths['xml']}", "--html",
-                                               str(paths["html"])], signal.SIGINT)
+    returncode, out, err = interrupted_at_start_up(["fuzz", "--max-time", "60", "--workers", "2", "--no-seeds",
+                                                    "--corpus", str(tmp_path / "c"), "--json", str(paths["json"]),
+                                                    "--sarif", str(paths["sarif"]), f"--junit={paths['xml']}",
+                                                    "--html", str(paths["html"])], signal.SIGINT)
     assert returncode == 130, err
     assert err.strip().splitlines()[-1] == "kvaudit: interrupted" and "Traceback" not in err
+    assert out.splitlines() == ["SUMMARY: kvaudit: no new findings (interrupted)."]  # (stop 63: none)
     doc = json.loads(paths["json"].read_text())
     assert doc["interrupted"] is True and doc["executions"] == 0 and doc["findings"] == []
     (run,) = json.loads(paths["sarif"].read_text())["runs"]
@@ -990,6 +994,29 @@ def test_ci_interrupted_before_its_job_began_writes_its_json_too(tmp_path, monke
     assert r.exit_code == 5 and "nothing recorded" in r.stderr, r.output
 
 
+@pytest.mark.parametrize("args, campaign", [(["fuzz"], False), (["fuzz", "--corpus", "C"], True),
+                                            (["fuzz", "--workers=2"], True), (["fuzz", "--db", "redis://h/0"], True),
+                                            (["ci"], True)], ids=["fuzz", "corpus", "workers", "db", "ci"])
+def test_a_run_interrupted_before_its_job_began_ends_stdout_with_its_summary_line(tmp_path, monkeypatch, args,
+                                                                                   campaign):
+    """Stop 63: interrupted during start-up, `fuzz` and `ci` printed no `SUMMARY:` line (stdout empty), though
+    reports.md says an interrupted run ends with one; now the line the job prints when interrupted with nothing
+    found (a campaign's and ci's `no new findings`), and ci's `INTERRUPTED` verdict line after it."""
+    from kvaudit.app.budget import Budget
+    from kvaudit.reports.report import new_findings_line, summary_line
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Budget, "for_command", interrupted)
+    r = invoke(*args, "--max-time", "60", "--out", str(tmp_path / "out"))
+    assert r.exit_code == 130, r.output
+    want = [new_findings_line([], interrupted=True) if campaign else summary_line([], interrupted=True)]
+    if args == ["ci"]:
+        want.append("INTERRUPTED: 0/0 regressions ok, 0 new finding(s)")  # as the job's own, interrupted at once
+    assert r.stdout.splitlines() == want
+    assert r.stderr.splitlines() == ["kvaudit: interrupted"]
+
 
 def test_fuzz_interrupted_before_its_search_began_writes_fuzz_s_junit(tmp_path):
     """`kvaudit fuzz --junit` stopped during start-up wrote ci's JUnit: testsuites "kvaudit ci", an empty
@@ -1011,6 +1038,7 @@ def test_fuzz_interrupted_before_its_search_began_writes_fuzz_s_junit(tmp_path):
     assert root.get("name") == "kvaudit" and [s.get("name") for s in root] == ["kvaudit"], text
     assert [s.get("name") for s in ET.fromstring(open(job).read().split("\n", 1)[1])] == [
         "kvaudit.regressions", "kvaudit.fuzz"]  # (ci's: as before)
+
 
 def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
     from kvaudit.app.interrupts import startup_report_paths as ci_report_paths, write_startup_reports

@@ -1,12 +1,18 @@
 """Tests for kvaudit.audit.locks (the lock-ref ledger) and the lock-imbalance finding it feeds: the lock
 blamed is the one whose holder is gone, device locks and HiCache host pins alike."""
 
+import os
+import re
+
 import pytest
 
 from kvaudit.targets.eut.presets import get_preset
 from kvaudit.audit.locks import LockLedger, holder_kind
 from kvaudit.program import Idle, Step, Submit
-from kvaudit.audit.runner import AuditedRun
+from kvaudit import replay
+from kvaudit.audit.runner import AuditedRun, execute
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load_back_run(full_stacks=True, forget=("dec_lock_ref",)):
@@ -77,6 +83,18 @@ def test_a_kept_host_pin_is_named_by_the_release_that_let_the_load_back_go_and_a
     assert {x.signature for x in both} == {"lock-imbalance/hicache_host/inc:load_back@hicache.py",
                                            "lock-imbalance/token_to_kv_pool/inc:load_back@hicache.py"}
     assert all(not x.lost_sites and not x.holder for x in both)
+
+
+def test_a_dropped_load_back_is_reported_at_the_step_that_dropped_it():
+    """The zoo's hicache-abort-loadback-leak: the abort drops the load-back record in the step that ingests
+    it. The built-in engine's target names every lock holder, so the finding comes at that step (the step
+    its message says the holder was gone), not at the next idle, after the load-back's ack was due."""
+    config, program, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "hicache-abort-loadback-leak.json"))
+    found = [f for f in execute(config, program).findings if f.kind == "lock-imbalance"]
+    assert len(found) == 2  # the device lock and the host pin
+    for f in found:
+        gone = re.search(r"its holder was gone by op \d+, step (\d+)", f.message)
+        assert gone and f.step == int(gone.group(1)), f.message
 
 
 def test_a_clean_load_back_leaves_no_lock_open():

@@ -707,7 +707,7 @@ def test_retraction_takes_the_fewest_outputs_then_the_longest_prompt_first():
 
 
 @pytest.mark.parametrize("bugs", [set(), {"retract-unaligned-page"}], ids=["off", "on"])
-def test_retract_unaligned_page_switch_leaks_the_partial_last_page(bugs):
+def test_retract_unaligned_page_switch_leaks_one_page(bugs):
     from kvaudit.program import prompt_tokens  # the prompts of the fuzzer's 4-op reproducer
 
     eng = Scheduler(get_preset("retract").config(bugs=bugs))
@@ -718,6 +718,27 @@ def test_retract_unaligned_page_switch_leaks_the_partial_last_page(bugs):
     (pool,) = [c for c in eng.last_idle_check if c.pool == "token_to_kv_pool"]
     missing = pool.total - pool.available - pool.evictable - pool.protected
     assert missing == (4 if bugs else 0)  # one whole page that nothing references
+
+
+@pytest.mark.parametrize("prompt_len", [8, 6, 5])
+def test_retract_unaligned_page_switch_skips_the_page_that_holds_the_prompt_end(prompt_len):
+    # sglang PR #4977: the retraction's free range began at len(prefix_indices) (the cached prompt)
+    # padded *up* to a page, so only an unaligned prompt end loses a page, the one holding it; the
+    # request's own partly filled last page is freed
+    eng = Scheduler(get_preset("retract").config(bugs={"retract-unaligned-page"}))
+    eng.add_request(list(range(2, 2 + prompt_len)), 9)
+    for _ in range(3):  # the prefill, then two decode steps: 2 slots past the prompt
+        eng.step()
+    (req,) = eng.running_batch
+    assert req.kv.kv_allocated_len == prompt_len + 2
+    row = eng.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len].clone()
+    eng.running_batch = []
+    eng.release_req(req)
+    free = set(eng.token_to_kv_pool_allocator.free_pages.tolist())
+    tree = {int(s) // 4 for n in eng.tree_cache.nodes() if n.value is not None for s in n.value}
+    lost = sorted({int(s) // 4 for s in row} - free - tree)
+    end = prompt_len - 1  # the position of the prompt's last token
+    assert lost == ([] if prompt_len % 4 == 0 else [int(row[end]) // 4])
 
 
 def test_a_request_that_can_never_fit_the_pool_is_rejected_at_intake():

@@ -34,6 +34,7 @@ from kvaudit.audit.runner import execute
 from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure, OpenSession,
                              PauseGeneration, Step, Submit, TransferFail, random_program)
 from kvaudit.targets import program_features
+from kvaudit.targets.eut.observer import EutObserver
 from kvaudit.targets.eut.presets import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,10 +136,18 @@ def zoo() -> dict[str, list[Finding]]:
     for path in ZOO_FILES:
         config, program, _, _ = replay.load(path)
         out[os.path.basename(path)[: -len(".json")]] = execute(config, program).findings
+    out[ZOO_HANG[0]] = out[ZOO_HANG[0]] + zoo_hang()
+    return out
+
+
+def zoo_hang() -> list[Finding]:
+    """ZOO_HANG's findings as a target that finds a leaked lock only at idle sees them: the eut names every
+    lock holder, so it reports the load-back's lock at the abort's step and the run stops before the hang."""
     name, program = ZOO_HANG
     config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{name}.json"))
-    out[name] = out[name] + execute(config, program).findings
-    return out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EutObserver, "lock_holders_exact", False)
+        return execute(config, program).findings
 
 
 @pytest.fixture(scope="module")
@@ -212,11 +221,13 @@ def test_a_hang_on_locked_memory_comes_with_the_lock_that_holds_it(monkeypatch):
     assert [f.signature for f in found] == [
         "lock-imbalance/token_to_kv_pool/inc:get_new_batch_prefill@scheduler_prefill_mixin.py",
         "hang/-/idle/waiting:memory-locked"]
-    name, program = ZOO_HANG
-    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{name}.json"))
-    assert execute(config, program).signatures == [
+    assert [f.signature for f in zoo_hang()] == [
         "lock-imbalance/token_to_kv_pool/inc:load_back@hicache.py", "lock-imbalance/hicache_host/inc:load_back@hicache.py",
         "hang/-/idle/waiting:memory-locked"]
+    name, program = ZOO_HANG  # with every holder named, the lock at its step, before the hang it leads to
+    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{name}.json"))
+    assert sorted(execute(config, program).signatures) == [
+        "lock-imbalance/hicache_host/inc:load_back@hicache.py", "lock-imbalance/token_to_kv_pool/inc:load_back@hicache.py"]
 
 
 @pytest.mark.parametrize("name", ["retract-skips-hisparse", "load-back-done-keeps-host-pin"])
@@ -286,9 +297,8 @@ DECODE = {
     "session-close-while-running": [
         [OpenSession(), Submit(0, 1, 4, session=1), Step(3), CloseSession(0), Step(1)],
         [OpenSession(), Submit(0, 1, 3, stop_at=4, session=1), Step(3), CloseSession(0), Step(1)]],
-    "retract-unaligned-page": [
-        [Submit(0, 20, 3, stop_at=11), Step(2), PauseGeneration(mode=2), Step(1)],
-        [Submit(0, 1, 7), Submit(0, 11, 4), Step(3), MemoryPressure(), Idle()]],
+    # (retract-unaligned-page was here while its switch skipped the request's last page, which decode may
+    # have allocated; sglang PR #4977's retraction skips the page holding the prompt's end, always prefill's)
 }
 
 

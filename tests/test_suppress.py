@@ -129,6 +129,20 @@ def test_missing_directory_and_binary_files_are_suppression_errors(tmp_path):
     assert str(binary) in str(e.value)
 
 
+def test_a_file_saved_with_a_byte_order_mark_reads_the_same(tmp_path):
+    """A suppression file an editor saved with a UTF-8 BOM was 'not a TOML suppression file: Invalid statement
+    (at line 1, column 1)', exit 2, where it looks fine in the editor (replay files and corpus programs read one).
+    The mark is skipped now; a byte that is not UTF-8 is still named at its offset in the file."""
+    text = '[[suppress]]\nkind = "leak"\npool = "hisparse_*"\n'
+    plain, marked = tmp_path / "plain.toml", tmp_path / "marked.toml"
+    plain.write_text(text)
+    marked.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_suppressions(str(marked)) == load_suppressions(str(plain)) != []
+    marked.write_bytes(b'\xef\xbb\xbfkind = "\xff"\n')
+    with pytest.raises(SuppressionError, match="not UTF-8 .invalid start byte at byte 11."):
+        load_suppressions(str(marked))
+
+
 # -- matching --------------------------------------------------------------------------------------
 
 def test_match_by_kind_and_any_kind():

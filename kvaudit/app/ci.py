@@ -17,7 +17,7 @@ from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXI
                                 refused, write_error)
 from kvaudit.app.configs import check_available, check_db, presets_arg
 from kvaudit.app.files import check_dir, load_suppressions, reports_written, write_reports
-from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY
+from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY, print_shipped_analysis
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.config import shown_path
@@ -85,7 +85,9 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     ignore_interrupts(clear=True)  # the summary and reports are written whole
     for run in result.fuzz:
         for program, findings, path in run.new:
-            print_report(console, kind.preset(run.preset).config(), program, findings, closing=False)
+            config = kind.preset(run.preset).config()
+            print_shipped_analysis(console, config, findings, path)
+            print_report(console, config, program, findings, closing=False)
     _print_table(console, result)
     ran = any(run.executions for run in result.fuzz)
     if sset is not None:  # the presets' campaigns matched; the job's set is the file's

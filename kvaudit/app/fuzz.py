@@ -255,9 +255,7 @@ class _Single:
             print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
             raise _with_reports(e, outputs, data, self.err) from None
         console.print(f"replay file: {shown_path(path)}   ({replay_hint(config, path)})", soft_wrap=True)
-        known = shipped_analysis(config, crash.findings, path)
-        if known:
-            console.print(known, soft_wrap=True, markup=False, highlight=False)
+        print_shipped_analysis(console, config, crash.findings, path)
         print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
         write_reports(outputs, data, self.err, kept=(path,))
         return EXIT_FINDINGS
@@ -276,6 +274,14 @@ def shipped_analysis(config, findings, path: str) -> str:
             return (f"known: kvaudit ships an analysis of {f.signature} ({where}): {note.title}; "
                     f"kvaudit export --issue ISSUE.md {shell_quoted(path)} writes it as an issue text")
     return ""
+
+
+def print_shipped_analysis(console, config, findings, path: str) -> None:
+    """The :func:`shipped_analysis` line of a finding's replay file ``path``, where it has one (a single run's
+    finding, each new file of a campaign)."""
+    known = shipped_analysis(config, findings, path)
+    if known:
+        console.print(known, soft_wrap=True, markup=False, highlight=False)
 
 
 def _with_reports(e: click.ClickException, outputs: Outputs, data, err) -> click.ClickException:
@@ -393,6 +399,7 @@ def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]
             err.print(f"warning: {e}", soft_wrap=True)
             continue
         paths.append(path)
+        print_shipped_analysis(console, config, findings, path)
         print_report(console, config, program, findings, closing=False)  # the campaign's line closes the run
         cases.append(Case(program, findings, doc.get("timeline"),
                           doc_extra={k: doc[k] for k in ("seed", "fuzzer", "confirmations") if k in doc}))

@@ -98,16 +98,21 @@ def catch_sigint() -> None:
 # the reports each command writes when interrupted during start-up, and its options that take no value
 _STARTUP_REPORTS = {"ci": (("--junit", "--sarif", "--json", "--html"), ()),
                     "fuzz": (("--junit", "--sarif", "--json", "--html"), ("--seeds", "--no-seeds", "--paranoid"))}
+# stdout's last lines for a run interrupted during start-up: the job's own for one interrupted with nothing found
+# (kvaudit.reports.report.summary_line, new_findings_line for a campaign and ci; ci's verdict, kvaudit.app.ci)
+_NO_FINDINGS = "SUMMARY: kvaudit: no findings (interrupted)."
+_NO_NEW_FINDINGS = "SUMMARY: kvaudit: no new findings (interrupted)."
+_CI_VERDICT = "INTERRUPTED: 0/0 regressions ok, 0 new finding(s)"
 
 
-def startup_report_paths(argv: list[str]) -> dict[str, str]:
-    """``{"junit": PATH, "sarif": PATH, "json": PATH, "html": PATH}`` that ``argv`` (no program name) asks
-    ``kvaudit ci`` or ``kvaudit fuzz`` for, read as click reads it (every other option takes a value); empty for
-    another command."""
+def _startup_options(argv: list[str]) -> dict[str, str] | None:
+    """``{"--junit": VALUE, ...}``: the options ``argv`` (no program name) gives ``kvaudit ci`` or ``kvaudit fuzz``,
+    read as click reads them (every option but the command's flags takes a value; the last one given wins);
+    None for another command or ``--help``."""
     if not argv or argv[0] not in _STARTUP_REPORTS or {"-h", "--help"} & set(argv):
-        return {}
-    wanted, flags = _STARTUP_REPORTS[argv[0]]
-    paths: dict[str, str] = {}
+        return None
+    flags = _STARTUP_REPORTS[argv[0]][1]
+    values: dict[str, str] = {}
     rest = iter(argv[1:])
     for arg in rest:
         if arg == "--":
@@ -117,9 +122,47 @@ def startup_report_paths(argv: list[str]) -> dict[str, str]:
         name, eq, value = arg.partition("=")
         if not eq:
             value = next(rest, None)
-        if name in wanted and value is not None:
-            paths[name[2:]] = value
-    return paths
+        if value is not None:
+            values[name] = value
+    return values
+
+
+def startup_report_paths(argv: list[str]) -> dict[str, str]:
+    """``{"junit": PATH, "sarif": PATH, "json": PATH, "html": PATH}`` that ``argv`` (no program name) asks
+    ``kvaudit ci`` or ``kvaudit fuzz`` for, read as click reads it (every other option takes a value); empty for
+    another command."""
+    values = _startup_options(argv) or {}
+    return {name[2:]: value for name, value in values.items() if name in _STARTUP_REPORTS[argv[0]][0]}
+
+
+def startup_summary(argv: list[str]) -> list[str]:
+    """The lines ``kvaudit ci`` or ``fuzz`` (``argv``, no program name) interrupted before its job began ends
+    stdout with: its ``SUMMARY:`` line (a campaign's and ci's over new findings), and ci's verdict line after it;
+    none for another command."""
+    values = _startup_options(argv)
+    if values is None:
+        return []
+    if argv[0] == "ci":
+        return [_NO_NEW_FINDINGS, _CI_VERDICT]
+    workers = values.get("--workers", "1")
+    campaign = "--corpus" in values or "--db" in values or (workers.isdigit() and int(workers) > 1)
+    return [_NO_NEW_FINDINGS if campaign else _NO_FINDINGS]
+
+
+def end_startup_interrupt(argv: list[str]) -> None:
+    """A command (``argv``, no program name) interrupted before its job began: ``kvaudit ci`` and ``fuzz`` write
+    the reports asked for (:func:`write_startup_reports`) and end stdout with their summary
+    (:func:`startup_summary`); then ``kvaudit: interrupted`` on stderr. Standard library only."""
+    write_startup_reports(argv)
+    with _restored_handlers():
+        ignore_interrupts()
+        for stream, lines in ((sys.stdout, startup_summary(argv)), (sys.stderr, ["kvaudit: interrupted"])):
+            try:
+                for line in lines:
+                    stream.write(line + "\n")
+                stream.flush()
+            except (OSError, ValueError, AttributeError):  # closed (None), read-only: nothing to say it on
+                pass
 
 
 def _startup_json(command: str) -> str:

@@ -88,14 +88,21 @@ def record_timeline(config, program, sset, err: Console) -> dict | None:
 
 
 def update_replays(files: tuple[str, ...]) -> int:
-    """``replay --update`` (:func:`kvaudit.replay.rerecord`), one line per file; exit 4 if a finding was lost."""
+    """``replay --update`` (:func:`kvaudit.replay.rerecord`), one line per file; exit 4 if a finding was lost. A file
+    that cannot be read or run here is one error line on stderr, and the rest are still re-recorded; the exit code
+    is then the first such file's."""
     for file in files:  # (each before any is replayed: a pipe reads once, and a descriptor is no file to rewrite)
         if (link := atomic.fd_link(file)) is not None:
             raise InputError(f"{file}: {link} is a file descriptor's link, not a file: --update rewrites files in place")
     console = make_console()
-    lost = 0
+    lost, refused = 0, None
     for file in files:
-        config, program, recorded, *_ = load_replay(file, None)
+        try:
+            config, program, recorded, *_ = load_replay(file, None)
+        except click.ClickException as e:  # (2 malformed, 5 nothing recorded, 69 a plugin's kind not loaded)
+            click.echo(f"kvaudit: error: {e.format_message()}", err=True)
+            refused = refused or e
+            continue
         try:
             drain = any(f.engine_check_at_idle for f in recorded)
             with OpProgress(make_console(stderr=True), f"replaying {shown_path(file)}", len(program)) as progress:
@@ -105,6 +112,8 @@ def update_replays(files: tuple[str, ...]) -> int:
             raise write_error(e, file) from None
         lost += outcome.startswith("not updated")
         console.print(f"{shown_path(file)}: {outcome}", soft_wrap=True)
+    if refused is not None:
+        return refused.exit_code
     return EXIT_NOT_REPRODUCED if lost else EXIT_CLEAN
 
 

@@ -152,6 +152,11 @@ class LockLedger:
         self._live = now
         self.intervals += 1
 
+    def orphaned(self) -> set[tuple[str, int]]:
+        """``(lock, node)`` of every unreleased inc whose holder is gone, as of the last snapshot: a lock
+        that no live holder will release (what a busy lock balance may report before the engine is idle)."""
+        return {key for key, rs in self._open.items() for r in rs if r.gone is not None}
+
     def holder_lock(self, lock: str, nodes) -> LockRecord | None:
         """The latest inc of ``lock`` (any node) taken by or for a live holder listed on one of
         ``nodes`` at the last snapshot: when incs and decs pair up per node, the lock that holder

@@ -6,6 +6,7 @@ Design notes (the file format, what a rule matches): docs/internals/audit.md.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -93,16 +94,19 @@ def load_suppressions(path: str) -> list[Suppression]:
     if tomllib is None:
         raise SuppressionError(f"cannot read {path}: suppression files need Python 3.11 (tomllib) or the "
                                "tomli package")
+    bom = 0
     try:
         with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
+            data = fh.read()
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # an editor's byte-order mark: skipped
+        doc = tomllib.loads(data[bom:].decode("utf-8"))
     except OSError as e:
         raise SuppressionError(f"cannot read suppression file {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise SuppressionError(f"{path} is not a TOML suppression file: {' '.join(str(e).split())}") from None
     except UnicodeDecodeError as e:
         raise SuppressionError(f"{path} is not a TOML suppression file: not UTF-8 ({e.reason} at byte "
-                               f"{e.start})") from None
+                               f"{bom + e.start})") from None
     extra = sorted(set(doc) - {"suppress"})
     if extra:
         raise SuppressionError(f"{path}: unknown top-level key {json_value(extra[0], 60)} (want [[suppress]] tables)")

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from kvaudit.config import TargetConfig, json_value
 from kvaudit.constants import MINIMIZE_GRACE
@@ -57,12 +57,8 @@ def recorded_kinds(corpus: str) -> dict[str, set[str]]:
     """Target kind -> the signatures the replay files in ``corpus``'s findings folder record on it (a file that
     does not load is skipped)."""
     out: dict[str, set[str]] = {}
-    for path in findings_files(corpus)[0]:
-        try:
-            config, _, findings, _ = replay.load(path)
-        except replay.ReplayFormatError:
-            continue
-        out.setdefault(replay.target_name(config), set()).update(f.signature for f in findings)
+    for _, kind, signatures in _loaded(findings_files(corpus)[0]):
+        out.setdefault(kind, set()).update(signatures)
     return out
 
 
@@ -101,6 +97,18 @@ def _recorded(paths: list[str], unreadable: list[str] | None = None, target: str
     skipped (its path appended to ``unreadable``), and so is one recorded on a kind other than ``target``
     (``(path, its kind)`` appended to ``others``)."""
     out = []
+    for path, kind, signatures in _loaded(paths, unreadable):
+        if target is not None and kind != target:
+            if others is not None:
+                others.append((path, kind))
+            continue
+        out.extend((sig, path) for sig in signatures)
+    return out
+
+
+def _loaded(paths: list[str], unreadable: list[str] | None = None) -> Iterator[tuple[str, str, list[str]]]:
+    """``(file, its target kind, the signatures of its findings in order)`` for each of the replay files ``paths``
+    that loads; the path of one that does not is appended to ``unreadable``."""
     for path in paths:
         try:
             config, _, findings, _ = replay.load(path)
@@ -108,12 +116,7 @@ def _recorded(paths: list[str], unreadable: list[str] | None = None, target: str
             if unreadable is not None:
                 unreadable.append(path)
             continue
-        if target is not None and (kind := replay.target_name(config)) != target:
-            if others is not None:
-                others.append((path, kind))
-            continue
-        out.extend((f.signature, path) for f in findings)
-    return out
+        yield path, replay.target_name(config), [f.signature for f in findings]
 
 
 @dataclass
@@ -472,7 +475,7 @@ def _append_run_record(corpus: str, record: dict, warnings: list[str]) -> OSErro
     path = os.path.join(corpus, "campaign.json")
     doc: dict = {"format": CAMPAIGN_FORMAT, "runs": []}
     try:
-        with open(path) as fh:
+        with open(path, encoding="utf-8-sig") as fh:  # (UTF-8 whatever the locale; a BOM, an editor's, skipped)
             text = fh.read()
         doc = json.loads(text)
         if not isinstance(doc, dict):

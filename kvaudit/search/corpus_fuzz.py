@@ -128,7 +128,7 @@ class CorpusStore:
         return _closed(program) if program else None
 
     def _read(self, name: str) -> list | None:
-        with open(os.path.join(self.path, name), encoding="utf-8") as fh:
+        with open(os.path.join(self.path, name), encoding="utf-8-sig") as fh:  # (a BOM, an editor's, skipped)
             doc = json.load(fh)
         return doc.get("program") if isinstance(doc, dict) else None
 

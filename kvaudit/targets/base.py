@@ -204,6 +204,10 @@ class Target:
     #: PD pre-allocation, a HiSparse buffer, a host tier) keep their function. Default none: every
     #: allocation by its function (right for an engine that grows a request's KV in one function)
     request_kv_allocs: tuple[str, ...] = ()
+    #: whether :meth:`lock_holders` names every holder of a tree lock at every step boundary (no lock is
+    #: ever taken ahead of its holder's record): a lock whose holder the ledger saw leave unreleased is then
+    #: reported when it happens, not at the next idle. Default False (SGLang's tree takes some ahead)
+    lock_holders_exact: bool = False
 
     # -- required ---------------------------------------------------------------------------------
     def pools(self) -> list[PoolSpec]:

@@ -114,6 +114,12 @@ def _tree_counter_drift(s: Scan) -> bool:
                ("evictable" in f.check or "protected" in f.check) for f in s.findings)
 
 
+def _orphaned_lock(s: Scan) -> bool:
+    # a lock whose holder left without its release, on a target that names every holder: the lock balance
+    # need not wait for idle (the ledger pairs holders only where it is asked to: a check after every step)
+    return getattr(s.target, "lock_holders_exact", False) and s.auditor.pair_locks and bool(s.auditor.locks.orphaned())
+
+
 # Every oracle, in the order they run (the order of findings within a kind); check() reads only this.
 ORACLES: list[Oracle] = [
     Oracle("use-after-free", "pool", lambda s, p: p.uaf is not None,
@@ -132,7 +138,7 @@ ORACLES: list[Oracle] = [
            KINDS),  # a target's own invariants may raise any kind
     Oracle("engine-check", "engine", lambda s: not s.scan_only and not s.findings,
            lambda s: s.drift or engine_disagrees(s.auditor, s.target), ("accounting-drift",)),
-    Oracle("lock-balance", "engine", lambda s: not s.scan_only and (s.idle or _tree_counter_drift(s)),
+    Oracle("lock-balance", "engine", lambda s: not s.scan_only and (s.idle or _tree_counter_drift(s) or _orphaned_lock(s)),
            lambda s: lock_balance(s.auditor, s.target, s.idle), ("lock-imbalance",)),
     Oracle("quiescence", "intake", lambda run: run.target.flushed() != run.flushes_checked, quiescence, ("leak",)),
     Oracle("liveness", "step", lambda run: run.run_oracles, liveness, ("liveness",)),

@@ -16,10 +16,13 @@ def lock_balance(auditor: Auditor, target, idle: bool) -> list[Finding]:
     invariants 13 and 14); one finding per lock kind (device ``lock_ref``, host pins). It blames the
     lock-ref ledger's open inc whose holder is gone (``alloc_sites``, ``holder``, ``lost_sites``), else
     one no holder claimed, else the unmatched dec (``free_sites``). Busy (``idle`` false), only nodes
-    locked *below* their live holders count."""
+    locked *below* their live holders count, and, on a target whose ``lock_holders_exact`` holds, nodes
+    locked above them under a lock the ledger saw its holder leave unreleased (``LockLedger.orphaned``)."""
     bad = [LockImbalance(*b) for b in target.lock_balance()]
     if not idle:
-        bad = [b for b in bad if b.lock_ref < b.holders]
+        orphaned = auditor.locks.orphaned() if getattr(target, "lock_holders_exact", False) else set()
+        bad = [b for b in bad if b.lock_ref < b.holders or (
+            orphaned and b.lock_ref > b.holders and any((b.lock, i) in orphaned for i in b.ids or ()))]
     if not bad:
         return []
     auditor.lock_snapshot()

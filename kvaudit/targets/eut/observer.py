@@ -34,6 +34,8 @@ class EutObserver(Target):
     records (``submitted``, ``aborted``, ``sessions``, ``_pools``); mutates nothing of the engine
     except through the wrappers its ``install_*`` methods add."""
 
+    lock_holders_exact = True  # lock_holders() reads every lock receipt the engine keeps
+
     # -- KV content (shadow tags) ------------------------------------------------------------
     def kv_pools(self) -> dict[str, int]:
         """Every pool whose slots hold KV content, with its size in token slots."""
