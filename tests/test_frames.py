@@ -181,6 +181,28 @@ def test_sarif_and_junit_show_the_resolved_line_and_the_note():
     assert f"{now.file}:{now.line} in {now.function}\n        {now.source}\n        (moved: " in text
 
 
+
+def test_a_sarif_message_names_the_lines_its_locations_point_at():
+    """A frame recorded before the code moved: the SARIF result was located at the line its text is on now, but
+    its message, what code scanning shows there, still said 'freed at scheduler.py:<recorded line> in
+    handle_abort ... allocated at scheduler.py:<recorded line> in alloc_for_extend' and its 'See also' link the
+    recorded line of the allocation: lines that now hold other code."""
+    from kvaudit.reports.sarif import to_sarif
+
+    _, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "overlap-abort-double-free.json"))
+    f = findings[0]
+    free, alloc = f.free_sites[0], f.alloc_sites[0]
+    f.free_sites[0] = Site(free.file, free.line - 7, free.function, free.source)  # as if recorded 7 lines up
+    f.alloc_sites[0] = Site(alloc.file, alloc.line - 3, alloc.function, alloc.source)
+    result = to_sarif([f])["runs"][0]["results"][0]
+    assert result["locations"][0]["physicalLocation"]["region"]["startLine"] == free.line
+    text = result["message"]["text"]
+    assert f"freed at {free.short()} while" in text and text.count(alloc.short()) == 2, text  # headline, See also
+    assert f.free_sites[0].short() not in text and f.alloc_sites[0].short() not in text, text
+    related = {loc["id"]: loc for loc in result["relatedLocations"]}
+    link = int(re.search(r"allocated at \[alloc_for_extend\]\((\d+)\)", text)[1])
+    assert related[link]["physicalLocation"]["region"]["startLine"] == alloc.line
+
 def test_an_installed_packages_frame_is_recorded_from_its_package_and_read_back_here():
     """A replay file carries no machine's site-packages path: an installed package's module is recorded from
     its package (``numpy/...``, as ``vllm/v1/...``) and read back from where that package is installed here;

@@ -1018,6 +1018,28 @@ def test_a_run_interrupted_before_its_job_began_ends_stdout_with_its_summary_lin
     assert r.stderr.splitlines() == ["kvaudit: interrupted"]
 
 
+def test_fuzz_interrupted_before_its_search_began_writes_fuzz_s_junit(tmp_path):
+    """`kvaudit fuzz --junit` stopped during start-up wrote ci's JUnit: testsuites "kvaudit ci", an empty
+    "kvaudit.regressions" suite and a "kvaudit.fuzz" suite, where every other fuzz JUnit (clean, a finding,
+    interrupted later) has the one suite "kvaudit": a dashboard saw another suite, and a regression suite
+    fuzz never has. Now fuzz's own document, its skipped case the one a later interrupt gives."""
+    import xml.etree.ElementTree as ET
+
+    from kvaudit.app.interrupts import write_startup_reports
+    from kvaudit.reports import ci_outputs
+    from kvaudit.reports.junit import to_junit
+
+    fuzz, job = str(tmp_path / "fuzz.xml"), str(tmp_path / "ci.xml")
+    assert write_startup_reports(["fuzz", "--junit", fuzz]) == [fuzz]
+    assert write_startup_reports(["ci", "--junit", job]) == [job]
+    text = open(fuzz).read()
+    assert text == to_junit([], suite_name="kvaudit", skipped=("interrupted", ci_outputs.NOTHING_RAN)), text
+    root = ET.fromstring(text.split("\n", 1)[1])
+    assert root.get("name") == "kvaudit" and [s.get("name") for s in root] == ["kvaudit"], text
+    assert [s.get("name") for s in ET.fromstring(open(job).read().split("\n", 1)[1])] == [
+        "kvaudit.regressions", "kvaudit.fuzz"]  # (ci's: as before)
+
+
 def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
     from kvaudit.app.interrupts import startup_report_paths as ci_report_paths, write_startup_reports
     from kvaudit.reports import ci_outputs

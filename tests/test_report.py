@@ -342,6 +342,24 @@ def test_html_header_names_the_finding_s_preset_and_a_job_s_presets(tmp_path):
     assert "presets <b>default, chunked</b> &middot; bugs: none &middot;" in page
 
 
+
+def test_html_counts_findings_as_the_summary_line_does():
+    """A job whose two presets found one signature (kvaudit ci: each preset's reproducer kept) printed
+    'SUMMARY: kvaudit: 2 finding(s) (2 leak) in 1 signature(s)' and its --json held both, but the HTML was titled
+    '..., 1 finding(s)' and said '1 finding(s). First: ...': it counted its sections, one per signature."""
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, "retract-unaligned-page.json"))
+    other = dataclasses.replace(config, preset="retract-2")
+    cases = [Case(program, findings, config=config), Case(program, findings, config=other)]
+    page = render_html(config, cases)
+    line = summary_line([f for c in cases for f in c.findings], runs=[c.findings for c in cases])
+    assert line.startswith("SUMMARY: kvaudit: 2 finding(s) (2 leak) in 1 signature(s);"), line
+    assert "<title>kvaudit report: retract, retract-2, 2 finding(s) in 1 signature(s)</title>" in page
+    assert re.search(r'<p class="verdict bad">2 finding\(s\) in 1 signature\(s\)\. First: Direct leak', page)
+    assert page.count('<section id="finding-') == 1 and "reported 2 times (deduplicated)" in page
+    one = render_html(config, cases[:1])  # one report of each signature: as before
+    assert "<title>kvaudit report: retract, 1 finding(s)</title>" in one
+    assert '<p class="verdict bad">1 finding(s). First: ' in one
+
 # -- kvaudit report / replay / fuzz output flags ----------------------------------------------------
 
 def test_report_writes_every_format_and_its_json_reads_back(tmp_path):

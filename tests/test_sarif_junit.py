@@ -459,6 +459,32 @@ def test_a_kind_without_an_anchor_falls_back_to_its_config_class_statement(valid
     assert "properties" not in loc and r["properties"]["locationIsFallback"] is True
 
 
+
+# a plugin's config class, in a module of its own (the plugin tests below write it outside the current directory)
+_FAR_CONFIG = ("import dataclasses\nfrom kvaudit.config import ConfigBase\n\n\n@dataclasses.dataclass(frozen=True)\n"
+               "class FarConfig(ConfigBase):\n    bugs: frozenset = dataclasses.field(default_factory=frozenset)\n"
+               "    preset: str = 'custom'\n    target: str = '{kind}'\n")
+
+
+def _far_results(validator, monkeypatch, cls, kind: str, where, alloc_sites: list) -> list[dict]:
+    """The SARIF results, a leak allocated at ``alloc_sites`` and a hang (no frame), of the plugin kind ``kind``
+    (config class ``cls``, registered for the call) run from the directory ``where``."""
+    from kvaudit.config import Preset
+
+    registry.register(registry.TargetKind(
+        kind, "a plugin outside the current directory", cls, make=lambda c: None,
+        presets=lambda: {kind: Preset(kind, "one", {}, cls)}, default_preset=kind))
+    leak = Finding(kind="leak", pool="rows", message="unreachable", slots=[3], num_units=1, unit="row",
+                   alloc_sites=alloc_sites)
+    hang = Finding(kind="hang", pool="-", message="engine not idle", op_index=1, step=3)
+    monkeypatch.chdir(where)
+    try:
+        log = to_sarif([leak, hang], cls())
+    finally:
+        registry._KINDS.pop(kind)
+    assert _errors(validator, log) == []
+    return log["runs"][0]["results"]
+
 def test_a_plugin_run_from_outside_its_folder_is_located_at_the_findings_own_line(validator, tmp_path,
                                                                                   monkeypatch):
     """A plugin's engine and target module both outside the current directory (t54's toy plugin run from
@@ -471,37 +497,20 @@ def test_a_plugin_run_from_outside_its_folder_is_located_at_the_findings_own_lin
     import sys
     from urllib.parse import quote
 
-    from kvaudit.config import Preset
-
     plug, elsewhere = tmp_path / "plug", tmp_path / "elsewhere"
     plug.mkdir()
     elsewhere.mkdir()
     engine = plug / "engine.py"
     engine.write_text("class Engine:\n    def step(self):\n        got = self.pool.alloc(4)\n")
-    (plug / "farplug_target.py").write_text(
-        "import dataclasses\nfrom kvaudit.config import ConfigBase\n\n\n@dataclasses.dataclass(frozen=True)\n"
-        "class FarConfig(ConfigBase):\n    bugs: frozenset = dataclasses.field(default_factory=frozenset)\n"
-        "    preset: str = 'custom'\n    target: str = 'farplug'\n")
+    (plug / "farplug_target.py").write_text(_FAR_CONFIG.format(kind="farplug"))
     monkeypatch.syspath_prepend(str(plug))
     monkeypatch.delitem(sys.modules, "farplug_target", raising=False)
     import farplug_target
     monkeypatch.setitem(sys.modules, "farplug_target", farplug_target)  # (taken out again afterwards)
     cls = farplug_target.FarConfig
-    registry.register(registry.TargetKind(
-        "farplug", "a plugin outside the current directory", cls, make=lambda c: None,
-        presets=lambda: {"farplug": Preset("farplug", "one", {}, cls)}, default_preset="farplug"))
     lib = Site(str(tmp_path / "venv" / "lib" / "site-packages" / "numpy" / "core.py"), 7, "alloc")
     site = Site(str(engine), 3, "step", source="got = self.pool.alloc(4)")
-    leak = Finding(kind="leak", pool="rows", message="unreachable", slots=[3], num_units=1, unit="row",
-                   alloc_sites=[lib, site])
-    hang = Finding(kind="hang", pool="-", message="engine not idle", op_index=1, step=3)
-    monkeypatch.chdir(elsewhere)
-    try:
-        log = to_sarif([leak, hang], cls())
-    finally:
-        registry._KINDS.pop("farplug")
-    assert _errors(validator, log) == []
-    r, h = log["runs"][0]["results"]
+    r, h = _far_results(validator, monkeypatch, cls, "farplug", elsewhere, [lib, site])
     loc = r["locations"][0]
     assert _physical(loc) == ("file://" + quote(str(engine)), 3)
     assert loc["message"]["text"] == "allocated at step"
@@ -517,6 +526,45 @@ def test_a_plugin_run_from_outside_its_folder_is_located_at_the_findings_own_lin
     assert "shown at FarConfig, the target kind's config class" in h["message"]["text"], h["message"]["text"]
     assert "not a file under the current directory, so code scanning cannot show this result" in h["message"]["text"]
 
+
+
+def test_a_plugin_package_run_from_outside_its_folder_names_the_path_it_is_located_by(validator, tmp_path,
+                                                                                      monkeypatch):
+    """A plugin package on sys.path (its frames recorded package-relative, toysched/engine.py) run from outside
+    its folder: the result was located at file:///.../toysched/engine.py, but its message said "it is located
+    at its own frame, toysched/engine.py:3, by that path" (a path that does not resolve from where it ran),
+    and a frameless finding's "(That is toysched/far_target.py, not a file under the current directory ...)".
+    Both now name the absolute path the location's URI holds."""
+    import inspect
+    import sys
+    from urllib.parse import unquote
+
+    pkg, elsewhere = tmp_path / "plug" / "toysched", tmp_path / "elsewhere"
+    pkg.mkdir(parents=True)
+    elsewhere.mkdir()
+    (pkg / "__init__.py").write_text("")
+    engine = pkg / "engine.py"
+    engine.write_text("class Engine:\n    def step(self):\n        got = self.pool.alloc(4)\n")
+    (pkg / "far_target.py").write_text(_FAR_CONFIG.format(kind="farpkg"))
+    monkeypatch.syspath_prepend(str(pkg.parent))
+    for name in ("toysched", "toysched.far_target"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from toysched import far_target
+    for name in ("toysched", "toysched.far_target"):
+        monkeypatch.setitem(sys.modules, name, sys.modules[name])  # (taken out again afterwards)
+    cls = far_target.FarConfig
+    site = Site("toysched/engine.py", 3, "step", source="got = self.pool.alloc(4)")
+    r, h = _far_results(validator, monkeypatch, cls, "farpkg", elsewhere, [site])
+    uri, line = _physical(r["locations"][0])
+    assert os.path.samefile(unquote(uri.removeprefix("file://")), engine) and line == 3
+    assert r["properties"]["locationOutsideCheckout"] is True
+    text = r["message"]["text"]
+    assert f"it is located at its own frame, {unquote(uri.removeprefix('file://'))}:3, by that path" in text, text
+    uri, line = _physical(h["locations"][0])
+    assert os.path.samefile(unquote(uri.removeprefix("file://")), pkg / "far_target.py")
+    assert line == inspect.getsourcelines(cls)[1]
+    assert f"(That is {unquote(uri.removeprefix('file://'))}, not a file under" in h["message"]["text"], \
+        h["message"]["text"]
 
 # ----------------------------------------------------------------------------- SARIF: real SGLang's frames
 

@@ -191,7 +191,7 @@ def write_startup_reports(argv: list[str]) -> list[str]:
     paths = startup_report_paths(argv)
     if len({os.path.realpath(p) for p in paths.values() if p}) < len(paths):
         return []  # the job refuses two flags naming one file
-    texts = {"junit": ci_outputs.interrupted_junit,
+    texts = {"junit": lambda: ci_outputs.interrupted_junit(argv[0]),
              "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n",
              "json": lambda: _startup_json(argv[0]),
              "html": ci_outputs.interrupted_html}

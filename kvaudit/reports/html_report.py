@@ -152,10 +152,12 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
             }
     clean = [c for c in cases if not c.findings]
     title, presets, bugs = ran_label(config, cases, ran)
+    # NOTE: counted as the SUMMARY: line counts them (every report), the signatures named where they are fewer
+    counted = f"{len(findings)} finding(s)" + (f" in {len(by_sig)} signature(s)" if len(by_sig) < len(findings) else "")
     return _env.get_template("report.html").render(
         version=__version__,
         generated=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        config=config, title=title, presets=presets, several="," in presets, bugs=bugs,
+        config=config, title=title, counted=counted, presets=presets, several="," in presets, bugs=bugs,
         program=[format_op(op) for op in clean[0].program] if clean else [],
         summary=summary_rows(findings, suppressed or {}),
         sections=list(by_sig.values()),

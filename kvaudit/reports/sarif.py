@@ -115,6 +115,16 @@ def _installed_file(p: str) -> str | None:
     return src if src != os.path.join(_CHECKOUT, p) else None
 
 
+def _local(path: str) -> str:
+    """``path`` as a ``file://`` location names it (:func:`artifact_location`): a package-relative one (a plugin
+    package on ``sys.path``) where it lies here; any other as it is."""
+    p = _norm(path)
+    if not p or p.startswith(("/", "<")) or WINDOWS_ABS.match(p):
+        return p
+    src = _installed_file(p)
+    return _norm(src) if src is not None else p
+
+
 def engine_base_id(package: str) -> str:
     return f"%{package.upper()}_ROOT%"
 
@@ -202,6 +212,21 @@ def _escape(text: str) -> str:
     return re.sub(r"([\[\]])", r"\\\1", re.sub("[\ud800-\udfff]", "", text))
 
 
+def _current_lines(stacks: list, engine: RecordedEngine | None) -> Callable[[str], str]:
+    """A text -> the text with each frame of ``stacks`` it names (``hisparse.py:183 in admit_request_direct``, as
+    :meth:`Site.short` writes it) at the line its locations give, where the current source moved it."""
+    moved = {}
+    for _, _, frames in stacks:
+        for s in frames:
+            line = resolve(s, engine).line
+            if line != s.line:
+                moved[s.short()] = f"{os.path.basename(s.file)}:{line} in {s.function}"
+    if not moved:
+        return lambda text: text
+    pattern = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, sorted(moved, key=len, reverse=True))) + r")(?!\w)")
+    return lambda text: pattern.sub(lambda m: moved[m[1]], text)
+
+
 def verdict_text(lines: list[str]) -> str:
     """An engine check's recorded lines (``Finding.engine_check``) as the text after ``engine
     check_memory():``: ``ok``, or ``FAILED: `` and the failing lines."""
@@ -287,8 +312,10 @@ def _a_file(site: Site) -> bool:
     return site.line >= 1 and artifact_location(site.file) is not None
 
 
-def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngine | None) -> tuple[list, list]:
-    """``relatedLocations`` (every addressable frame but the primary) and the message's embedded links."""
+def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngine | None,
+             now: Callable[[str], str] = str) -> tuple[list, list]:
+    """``relatedLocations`` (every addressable frame but the primary) and the message's embedded links (their
+    frames named by ``now``: :func:`_current_lines`)."""
     related: list[dict] = []
     links: list[str] = []
     for k, label, frames in stacks:
@@ -303,15 +330,16 @@ def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngin
             if depth == lead and k != key:
                 other = frame_release(s, engine)
                 on = f" in {engine.package} {other}" if other is not None else ""
-                links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(s.short())}{on})")
+                links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(now(s.short()))}{on})")
     return related, links
 
 
 def _message(f: Finding, links: list[str], primary: Site, where: str, recorded_on: str = "",
-             package: str = "", any_frames: bool = False, outside: bool = False) -> str:
-    summary = f.summary()
+             package: str = "", any_frames: bool = False, outside: bool = False,
+             now: Callable[[str], str] = str) -> str:
+    summary = now(f.summary())
     lines = [_escape(summary)]
-    detail = f": {f.message}" if f.message and f.message not in summary else ""
+    detail = f": {now(f.message)}" if f.message and f.message not in f.summary() else ""
     if f.op_index >= 0 or f.step >= 0:
         lines.append(_escape(f"Detected after op #{f.op_index} at scheduler step {f.step}{detail}."))
     elif detail:
@@ -331,13 +359,13 @@ def _message(f: Finding, links: list[str], primary: Site, where: str, recorded_o
                 else "the target kind's config class: the kind names no engine code for this state")
         lines.append(_escape(f"({why}: shown at {primary.function}, {what}.)"))
         if outside:  # (a plugin's config class, run from outside its folder)
-            lines.append(_escape(f"(That is {_norm(primary.file)}, not a file under the current directory, so "
+            lines.append(_escape(f"(That is {_local(primary.file)}, not a file under the current directory, so "
                                  "code scanning cannot show this result in the repository. Run kvaudit from the "
                                  "root of the repository that holds the engine.)"))
     elif where == FRAME_ELSEWHERE:
         lines.append(_escape(f"(No recorded frame is a file under the current directory, so code scanning cannot "
                              f"show this result in the repository: it is located at its own frame, "
-                             f"{_norm(primary.file)}:{primary.line}, by that path. Run kvaudit from the root of "
+                             f"{_local(primary.file)}:{primary.line}, by that path. Run kvaudit from the root of "
                              "the repository that holds the engine.)"))
     if f.engine_check:
         lines.append(_escape(engine_verdict(f)))
@@ -380,14 +408,16 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
     primary, primary_label, where = _primary(stacks, key, target, f.kind, engine)
     others = sorted({v for _, _, frames in stacks for s in frames if (v := frame_release(s, engine)) is not None})
     recorded_on = f"{engine.package} {', '.join(others)}" if others else ""
-    related, links = _related(stacks, primary, key, engine)
+    now = _current_lines(stacks, engine)  # (the message names the lines its locations point at)
+    related, links = _related(stacks, primary, key, engine, now)
     outside = where == FRAME_ELSEWHERE or (where in (ANCHOR, CONFIG_ANCHOR) and not in_repo(primary))
     result: dict = {
         "ruleId": f.kind,
         "ruleIndex": rule_index,
         "level": level,
         "message": {"text": _message(f, links, primary, where, recorded_on, engine.package if engine else "",
-                                     any_frames=any(frames for _, _, frames in stacks), outside=outside)},
+                                     any_frames=any(frames for _, _, frames in stacks), outside=outside,
+                                     now=now)},
         "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
                                 region_fallback=True, engine=engine)],
         "partialFingerprints": {FINGERPRINT_KEY: f.signature},
