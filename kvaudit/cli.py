@@ -306,8 +306,8 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     hosts made are pulled into DIR/findings/ and are not new here.
 
     Exit codes: 0 clean, 1 a finding (campaign: a new one), 2 bad input (refused before any engine
-    is imported), 5 nothing searched (the budget ended before one program ran), 69 atheris missing
-    or Redis unreachable at start, 130 interrupted with nothing found. Ctrl-C keeps what was found
+    is imported), 5 nothing searched (the budget ended before one program ran), 69 atheris or redis-py
+    missing, or Redis unreachable at start, 130 interrupted with nothing found. Ctrl-C keeps what was found
     (unminimized if minimizing) and writes the reports asked for.
     """
     from kvaudit.app import fuzz as job
@@ -391,7 +391,8 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Replay files that must still reproduce (and be clean when their switches are off) "
-                   "[default: ./corpora/regressions, else the one kvaudit ships].")
+                   "[default: the --target kind's corpus, ./corpora/regressions for eut and ./corpora/vllm for "
+                   "vllm (sglang has none), else the one kvaudit ships].")
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Keep a campaign corpus per preset in DIR/<preset> between runs (nightly): known findings "
                    "are not new.")
@@ -416,7 +417,8 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
     clean, 1 on a failed regression (a malformed file among them: a JUnit error, and the job goes on)
     or a new finding, 2 on bad input (refused before any engine is imported), 5 when a preset's share
     ended before one program ran (nothing searched there), 69 when --db's Redis cannot be reached at the
-    start, 130 when interrupted (Ctrl-C or SIGTERM; the reports are written)."""
+    start (or redis-py, or --fuzzer atheris's atheris, is not installed), 130 when interrupted (Ctrl-C or
+    SIGTERM; the reports are written)."""
     from kvaudit.app import ci as job
 
     budget = Budget.for_command(max_time, click.get_current_context().find_root().obj)
@@ -514,7 +516,7 @@ def campaign_status_cmd(db_url, campaign_name, watch, as_json):
     """The campaign's workers across hosts (executions, exec/s, coverage, new/duplicate/flaky
     signatures, last heartbeat; 'exited' once a worker stopped, 'gone' once a heartbeat expired: a
     killed worker) and its totals. Exit 0, 2 on a bad URL or a campaign no worker ever joined (--watch
-    waits for one, with a warning), 69 when Redis cannot be reached."""
+    waits for one, with a warning), 69 when Redis cannot be reached or redis-py is not installed."""
     from kvaudit.app import fleet
 
     return fleet.status(db_url, campaign_name, watch, as_json)
@@ -526,7 +528,7 @@ def campaign_status_cmd(db_url, campaign_name, watch, as_json):
 def campaign_pull_cmd(db_url, campaign_name, directory):
     """Write the campaign's replay files into DIRECTORY/findings/ and its corpus programs into
     DIRECTORY/programs/, for 'kvaudit replay' and the reports. Exit 0, 2 on bad input (a campaign no
-    worker ever joined included), 69 when Redis cannot be reached."""
+    worker ever joined included), 69 when Redis cannot be reached or redis-py is not installed."""
     from kvaudit.app import fleet
 
     return fleet.pull(db_url, campaign_name, directory)
