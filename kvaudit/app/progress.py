@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 def console(stderr: bool = False) -> Console:
     """A rich console; off a terminal it is wide, so that paths in reports are not broken up. Under ``NO_COLOR``
     it sends no styles at all (rich drops the colours only, keeping bold and dim): what it redraws live (fuzz's
-    status, ``campaign status --watch``) is as plain as the reports, which print no control codes then."""
+    status, ``campaign status --watch``) has no colour, bold or dim, though it still moves the cursor to redraw
+    (only off a terminal or under ``TERM=dumb`` is there no live display: plain lines instead)."""
     probe = Console(stderr=stderr)
     width = None if probe.is_terminal else _columns()
     out = Console(stderr=stderr, highlight=False, width=width, color_system=None if probe.no_color else "auto")
