@@ -93,7 +93,7 @@ def test_a_requeued_first_turn_with_a_page_aligned_prompt_crashes_sglang_at_its_
     whole 36-token prompt (page 4) into its slot, the requeue keeps it, and the re-prefill's key is 35 tokens."""
     program = [OpenSession(), Submit(0, 36, 1, session=0), Submit(0, 1, 1), Submit(0, 1, 1), Idle()]
     found = execute(cfg("sglang-pd-prefill-session"), program).findings
-    assert [f.signature for f in found] == ["crash/-/AssertionError@try_match_prefix@streaming_session.py"]
+    assert [f.signature for f in found] == ["crash/-/AssertionError@try_match_prefix@streaming_session.py/req:requeued"]
     assert "prefix shrank: prefix_len=35 < slot.kv.cache_protected_len=36" in found[0].message
     # one token more: the published prompt ends on the page below the key's end, and the same run is clean
     program[1] = Submit(0, 37, 1, session=0)
@@ -103,6 +103,23 @@ def test_a_requeued_first_turn_with_a_page_aligned_prompt_crashes_sglang_at_its_
     program[1] = Submit(0, 1, 1, session=0)
     assert sorted(execute(cfg("sglang-pd-prefill-session"), program).signatures) == [
         "crash/-/AssertionError@alloc@memory_pool.py"]
+
+
+def test_the_two_root_causes_of_the_try_match_prefix_assertion_have_two_signatures():
+    """corpora/sglang/README.md findings 5 (a rejected turn clears ``_inflight``: the third turn shares the
+    running first turn's record) and 13 (optimistic prefill requeued the first turn: its retry) raise the same
+    assertion; the target's ``crash_by`` names the requeued retry, so each file replays to its own signature."""
+    import os
+
+    from kvaudit import replay
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "sglang")
+    raised = "crash/-/AssertionError@try_match_prefix@streaming_session.py"
+    for name, signature in (("crash-a1-try-match-prefix-prefix-shrank.json", raised),
+                            ("crash-pd-prefill-requeued-first-turn-prefix-shrank.json", raised + "/req:requeued")):
+        config, program, recorded, _ = replay.load(os.path.join(root, name))
+        assert [f.signature for f in recorded] == [signature]
+        assert sorted(execute(config, program).signatures) == [signature]
 
 
 # the child (SGLang 0.5.22 as an overlay): the corpus crash's signature, and the requeued turn's session state
@@ -145,5 +162,6 @@ def test_0_5_22_clears_the_in_flight_mark_and_crashes_as_0_5_23_does():
                        env=child_env("sglang", "0.5.22", root))
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out == {"version": "0.5.22", "crash": ["crash/-/AssertionError@try_match_prefix@streaming_session.py"],
+    assert out == {"version": "0.5.22",
+                   "crash": ["crash/-/AssertionError@try_match_prefix@streaming_session.py/req:requeued"],
                    "requeued": [1, 1, False]}

@@ -358,6 +358,33 @@ def test_a_leak_no_owner_had_is_named_by_what_the_target_says_lost_it():
         Finding.from_dict({**leak.to_dict(), "lost_by": 3})
 
 
+def test_a_crash_signature_ends_with_what_the_target_says_of_the_request_it_raised_on():
+    """The crash oracle records ``Target.crash_by(exc)`` as the finding's ``check``, the signature's last part,
+    so that one raise reached by two root causes (SGLang's ``try_match_prefix`` assertion: a turn sharing a
+    running turn's record, or a retry optimistic prefill requeued) is two bugs; the base's ``""`` adds none."""
+    from types import SimpleNamespace
+
+    from kvaudit.audit.oracles.outcome import crash
+    from kvaudit.targets.base import Target
+
+    def raised():
+        try:
+            raise AssertionError("streaming session prefix shrank")
+        except AssertionError as exc:
+            return exc
+
+    class Said(Target):
+        def crash_by(self, exc):
+            return "req:requeued" if "shrank" in str(exc) else ""
+
+    for target, last in ((Said(), "/req:requeued"), (Target(), "")):
+        target.steps = 0
+        run = SimpleNamespace(target=target, auditor=None, ops_run=1)
+        [f] = crash(run, raised())
+        assert f.signature == f"crash/-/AssertionError@raised@test_signatures.py{last}"
+        assert Finding.from_dict(f.to_dict()).signature == f.signature
+
+
 def test_a_premature_free_is_named_by_its_release_path_not_the_release_plumbing():
     """A use-after-free's free site, as a leak's lost release, is the first frame above a target's release
     entries (``Site.entry``): the caller that chose to free. (Tester 62: SGLang frees a row's KV through

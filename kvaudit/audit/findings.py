@@ -123,7 +123,8 @@ class Finding:
     # leak of a unit no owner held and no release named: what lost it, as the target says (Target.lost_by)
     lost_by: str = ""
     # accounting-drift: the check that failed; stale-kv: the cause; lock-imbalance: "walk"; hang: what is
-    # stuck; liveness: where the request sits and what it is (docs/internals/audit.md, the signature table)
+    # stuck; liveness: where the request sits and what it is; crash: what the target says of the request it
+    # raised on (Target.crash_by) (docs/internals/audit.md, the signature table)
     check: str = ""
     # lock-imbalance: the blamed lock's holder's kind (locks.holder_kind); "" for a request or none seen
     holder: str = ""

@@ -103,8 +103,8 @@ def _sig_liveness(f) -> str:
     return "progress" + f"/{f.check}" * bool(f.check)  # where the request sits (Root.where)
 
 
-def _sig_crash(f) -> str:
-    return f"{f.message.split(':', 1)[0]}@{where(f.alloc_sites)}"
+def _sig_crash(f) -> str:  # the raise; then what the target says of the request it raised on (Target.crash_by)
+    return f"{f.message.split(':', 1)[0]}@{where(f.alloc_sites)}" + f"/{f.check}" * bool(f.check)
 
 
 # ----------------------------------------------------------------------------- console sections
@@ -178,7 +178,8 @@ def _con_hang(f) -> list:
 
 def _con_crash(f) -> list:
     freed = [("stack", "the state it met began at (last free):", f.free_sites)] if f.free_sites else []
-    return _read(f) + [("stack", "raised at:", f.alloc_sites)] + freed + _memory(f)
+    said = [("text", f"the target says of the request it raised on: {f.check}", "")] if f.check else []
+    return _read(f) + [("stack", "raised at:", f.alloc_sites)] + said + freed + _memory(f)
 
 
 # ----------------------------------------------------------------------------- the table

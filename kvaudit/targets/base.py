@@ -274,6 +274,12 @@ class Target:
         raised. Default: None (nothing to add)."""
         return None
 
+    def crash_by(self, exc: BaseException) -> str:
+        """After the engine raised ``exc``: a fact the target observed about the request it raised on that
+        tells two root causes of one raise apart (a crash signature's last part, e.g. the request was a retry
+        the engine requeued), ``""`` for none. Default: ``""`` (the signature is the raise alone)."""
+        return ""
+
     def on_intake(self, callback) -> None:
         """Call ``callback()`` right after the engine takes its queued messages, before it schedules
         (the mid-step use-after-free scan). Default: never called."""

@@ -95,7 +95,8 @@ def crash(run, exc: BaseException) -> list[Finding]:
     engine_files = run.target.engine_files()
     frames = _engine_frames(traceback.extract_tb(exc.__traceback__), engine_files)
     f = Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
-                op_index=run.ops_run - 1, step=run.target.steps, traceback=_engine_traceback(exc, engine_files))
+                op_index=run.ops_run - 1, step=run.target.steps, traceback=_engine_traceback(exc, engine_files),
+                check=run.target.crash_by(exc))
     if memstate.is_out_of_memory(str(exc)):
         f.memory_state = memstate.memory_state(run.target, run.auditor)
     cause = run.target.crash_cause() if run.auditor is not None else None

@@ -3,6 +3,8 @@ classes) that feed kvaudit's ledger every alloc, free, lock-ref change and tree 
 
 from __future__ import annotations
 
+import traceback
+
 import numpy as np
 import torch
 
@@ -88,6 +90,14 @@ class SglangHooks(Target):
         does not record."""
         rec = getattr(self, "row_writes", None)
         return rec.lost_by(units) if rec is not None and pool == rec.pool else None
+
+    def crash_by(self, exc: BaseException) -> str:
+        """``req:requeued`` when the request the innermost engine frame works on (its ``req`` local) is one
+        optimistic prefill released and requeued (``optimistic_release_and_requeue``): its retry raised, not
+        a request's first run; else ``""``."""
+        frames = [fr for fr, _ in traceback.walk_tb(exc.__traceback__)]
+        rid = next((r.rid for fr in reversed(frames) if hasattr(r := fr.f_locals.get("req"), "rid")), None)
+        return "req:requeued" if isinstance(rid, str) and rid in getattr(self, "requeued", ()) else ""
 
     @staticmethod
     def install_kv(spec: PoolSpec, auditor, wrap, paged: bool, in_group, census=None, page_ids=True) -> None:

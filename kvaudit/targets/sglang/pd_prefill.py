@@ -268,6 +268,7 @@ class PdPrefill(PdServer):
         def requeue(req):
             counts["prefill_optimistic_requeues"] += 1
             counts["prefill_session_turns_requeued"] += getattr(req, "session", None) is not None
+            self.target.requeued.add(req.rid)
             return mixin.optimistic_release_and_requeue(sched, req)
 
         sched.optimistic_release_and_requeue = requeue
