@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 from cli_helpers import invoke, kvaudit_script, plain_env
@@ -1062,6 +1063,29 @@ def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
     assert write_startup_reports(["ci", "--junit", same, "--sarif", same]) == []  # the job refuses those
     assert write_startup_reports(["ci", "--junit", str(tmp_path / "d"), "--sarif", "/dev/null"]) == []
     assert os.path.isdir(tmp_path / "d") and os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+
+
+def test_the_start_up_summary_reads_workers_and_help_as_click_does():
+    """Tester, stop 64: ``fuzz --workers +2`` (click reads 2: a campaign) interrupted in start-up ended with a single
+    run's ``no findings`` (the value was read with str.isdigit), and ``fuzz --out --help --json r.json`` (click
+    reads ``--help`` as --out's directory, and the job runs) wrote no report and no SUMMARY: line (any ``--help``
+    in the line counted). The campaign test is click's own parse of the same line, as the job decides it."""
+    from kvaudit.app.interrupts import startup_report_paths, startup_summary
+    from kvaudit.cli import CHECK_ONLY, main
+
+    for extra in (["--workers", "+2"], ["--workers", " 3"], ["--workers=2"], ["--workers", "1"], [],
+                  ["--corpus="], ["--db", "--corpus"], ["--out", "--help"], ["--workers", "1_0"]):
+        argv = ["fuzz", *extra]
+        with main.make_context("kvaudit", list(argv), obj={CHECK_ONLY: True}) as ctx, warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (click 8.2+: protected_args, as cli.parses)
+            name, command, rest = main.resolve_command(ctx, [*getattr(ctx, "protected_args", ()), *ctx.args])
+            params = command.make_context(name, rest, parent=ctx).params
+        campaign = params["corpus_dir"] is not None or params["workers"] > 1 or params["db_url"] is not None
+        want = "SUMMARY: kvaudit: no new findings (interrupted)." if campaign else \
+            "SUMMARY: kvaudit: no findings (interrupted)."
+        assert startup_summary(argv) == [want], argv
+    assert startup_report_paths(["fuzz", "--out", "--help", "--json", "r.json"]) == {"json": "r.json"}
+    assert startup_summary(["fuzz", "--json", "r.json", "--help"]) == startup_summary(["ci", "-h"]) == []
 
 
 # -- kvaudit ci ------------------------------------------------------------------------------------------

@@ -108,8 +108,8 @@ _CI_VERDICT = "INTERRUPTED: 0/0 regressions ok, 0 new finding(s)"
 def _startup_options(argv: list[str]) -> dict[str, str] | None:
     """``{"--junit": VALUE, ...}``: the options ``argv`` (no program name) gives ``kvaudit ci`` or ``kvaudit fuzz``,
     read as click reads them (every option but the command's flags takes a value; the last one given wins);
-    None for another command or ``--help``."""
-    if not argv or argv[0] not in _STARTUP_REPORTS or {"-h", "--help"} & set(argv):
+    None for another command or ``--help`` (where an option is read: ``--out --help`` names a directory)."""
+    if not argv or argv[0] not in _STARTUP_REPORTS:
         return None
     flags = _STARTUP_REPORTS[argv[0]][1]
     values: dict[str, str] = {}
@@ -117,6 +117,8 @@ def _startup_options(argv: list[str]) -> dict[str, str] | None:
     for arg in rest:
         if arg == "--":
             break
+        if arg in ("-h", "--help"):
+            return None
         if not arg.startswith("--") or arg in flags:
             continue
         name, eq, value = arg.partition("=")
@@ -144,8 +146,11 @@ def startup_summary(argv: list[str]) -> list[str]:
         return []
     if argv[0] == "ci":
         return [_NO_NEW_FINDINGS, _CI_VERDICT]
-    workers = values.get("--workers", "1")
-    campaign = "--corpus" in values or "--db" in values or (workers.isdigit() and int(workers) > 1)
+    try:
+        workers = int(values.get("--workers", "1"))  # (as click reads it: ``+2`` and `` 2`` are 2)
+    except ValueError:
+        workers = 1
+    campaign = "--corpus" in values or "--db" in values or workers > 1
     return [_NO_NEW_FINDINGS if campaign else _NO_FINDINGS]
 
 
