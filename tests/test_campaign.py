@@ -1412,23 +1412,13 @@ def test_a_worker_killed_mid_run_is_named_at_the_end(tmp_path):
 def test_a_fifo_among_the_regression_files_is_malformed_not_a_wait_for_ever(tmp_path):
     """th64: kvaudit ci --regressions DIR with a FIFO DIR/x.json never ended (opening it to read waits for a
     writer; killed by timeout 60). It is a malformed regression file now, and the job goes on."""
-    import threading
-
+    from cli_helpers import freed_if_it_waits
     from kvaudit.search import ci
 
     fifo = str(tmp_path / "x.json")
     os.mkfifo(fifo)
-    rescued, done = [], threading.Event()
-
-    def rescue():  # (the old code waited in open(): a writer lets it go on, and the test fail, not hang)
-        if not done.wait(10):
-            rescued.append(1)
-            os.close(os.open(fifo, os.O_WRONLY))
-    threading.Thread(target=rescue, daemon=True).start()
-    try:
+    with freed_if_it_waits(fifo) as rescued:  # (the old code waited in open())
         check = ci.check_regression(fifo)
-    finally:
-        done.set()
     assert not rescued, "check_regression waited on the FIFO"
     assert check.malformed and check.problem == f"malformed: {fifo} is not a regular file (a FIFO's reader waits " \
                                                "for a writer for ever)"

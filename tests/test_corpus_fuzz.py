@@ -206,8 +206,8 @@ def test_a_corpus_program_nested_too_deeply_or_a_fifo_is_skipped(tmp_path):
     RecursionError' (exit 70); one whose DIR/programs held a FIFO named x.json searched nothing and never
     ended (opening a FIFO to read waits for a writer). Both are unreadable files, counted and skipped."""
     import os
-    import threading
 
+    from cli_helpers import freed_if_it_waits
     from kvaudit.search.corpus_fuzz import CorpusStore
 
     programs = tmp_path / "programs"
@@ -216,18 +216,9 @@ def test_a_corpus_program_nested_too_deeply_or_a_fifo_is_skipped(tmp_path):
     fifo = str(programs / "b-fifo.json")
     os.mkfifo(fifo)
     (programs / "c-good.json").write_text(json.dumps({"program": program_to_json([Submit(0, 4, 4), Idle()])}))
-    rescued, done = [], threading.Event()
-
-    def rescue():  # (the old code waited in open(): a writer lets it go on, and the test fail, not hang)
-        if not done.wait(10):
-            rescued.append(1)
-            os.close(os.open(fifo, os.O_WRONLY))
-    threading.Thread(target=rescue, daemon=True).start()
     store = CorpusStore(str(programs))
-    try:
+    with freed_if_it_waits(fifo) as rescued:  # (the old code waited in open())
         loaded = store.load_new()
-    finally:
-        done.set()
     assert not rescued, "load_new() waited on the FIFO"
     assert loaded == [[Submit(0, 4, 4), Idle()]]
     assert store.skipped == ["a-deep.json", "b-fifo.json"]
