@@ -18,14 +18,16 @@ from kvaudit.app.interrupts import end_echoed_line, end_startup_interrupt  # sta
 HEAVY = ("fuzz", "replay", "minimize", "ci", "bench", "report")  # commands that import torch and Hypothesis
 GUARDED = ("fuzz", "minimize", "ci", "bench")  # commands that take Ctrl-C and SIGTERM themselves (restoring_sigint)
 _HEAVY_MODULES = ("kvaudit.search.fuzz", "kvaudit.reports.report")  # and the default target kind's warm_up()
+MAX_WIDTH_DIGITS = 6  # COLUMNS and LINES: past 999,999 a width is junk, read as unset
 
 
 def main() -> None:
     started = time.monotonic()
     hit = []
     sys.stdout, sys.stderr = ReaderGone.around(sys.stdout), ReaderGone.around(sys.stderr)
-    for name in ("COLUMNS", "LINES"):  # rich reads both with int() after str.isdigit(), which "²" passes
-        if not os.environ.get(name, "0").isascii():
+    for name in ("COLUMNS", "LINES"):  # rich reads both with int() after str.isdigit(), which "²" passes and
+        value = os.environ.get(name, "0")  # 4,301 digits fail (a width of billions: a panel of GBs)
+        if not value.isascii() or len(value.strip()) > MAX_WIDTH_DIGITS:
             del os.environ[name]
 
     def on_sigint(signum, frame):

@@ -1,9 +1,11 @@
 """Helpers shared by the CLI tests (test_cli.py, test_suppress.py, test_report.py, test_export*.py)."""
 
+import contextlib
 import json
 import os
 import shutil
 import sys
+import threading
 
 from click.testing import CliRunner
 
@@ -99,3 +101,21 @@ def cut_first_removal(monkeypatch) -> list:
 
     monkeypatch.setattr(shutil, "rmtree", cut_once)
     return removals
+
+
+@contextlib.contextmanager
+def freed_if_it_waits(fifo: str, after: float = 10.0):
+    """Around code that must not open the FIFO ``fifo`` to read: still running ``after`` seconds on, a writer
+    opens it (a reader waiting in open() goes on, and the test fails instead of hanging). Yields a list that
+    holds 1 once that happened."""
+    rescued, done = [], threading.Event()
+
+    def rescue():
+        if not done.wait(after):
+            rescued.append(1)
+            os.close(os.open(fifo, os.O_WRONLY))
+    threading.Thread(target=rescue, daemon=True).start()
+    try:
+        yield rescued
+    finally:
+        done.set()

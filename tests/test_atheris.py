@@ -346,6 +346,13 @@ def test_a_bad_max_ops_is_one_line_spelled_as_json(monkeypatch, capsys):
         atheris_harness._setup()
     assert e.value.code == 2
     assert capsys.readouterr().err == 'fuzz_engine.py: KVAUDIT_MAX_OPS must be an integer, got "x"\n'
+    # th64: 0 and -5 were taken, and every input decoded to the final idle() alone (a session that fuzzed nothing)
+    for value in ("0", "-5"):
+        monkeypatch.setenv("KVAUDIT_MAX_OPS", value)
+        with pytest.raises(SystemExit) as e:
+            atheris_harness._setup()
+        assert e.value.code == 2
+        assert capsys.readouterr().err == f"fuzz_engine.py: KVAUDIT_MAX_OPS must be at least 1, got {value}\n"
 
 
 def test_a_cuda_config_without_a_cuda_device_is_one_line_exit_2(monkeypatch, capsys):

@@ -1407,3 +1407,18 @@ def test_a_worker_killed_mid_run_is_named_at_the_end(tmp_path):
     assert proc.returncode == 0, (out, err)
     assert re.search(r"warning: worker [01] ended by SIGKILL mid-run: the campaign searched on with 1 of 2 workers",
                      err), err
+
+
+def test_a_fifo_among_the_regression_files_is_malformed_not_a_wait_for_ever(tmp_path):
+    """th64: kvaudit ci --regressions DIR with a FIFO DIR/x.json never ended (opening it to read waits for a
+    writer; killed by timeout 60). It is a malformed regression file now, and the job goes on."""
+    from cli_helpers import freed_if_it_waits
+    from kvaudit.search import ci
+
+    fifo = str(tmp_path / "x.json")
+    os.mkfifo(fifo)
+    with freed_if_it_waits(fifo) as rescued:  # (the old code waited in open())
+        check = ci.check_regression(fifo)
+    assert not rescued, "check_regression waited on the FIFO"
+    assert check.malformed and check.problem == f"malformed: {fifo} is not a regular file (a FIFO's reader waits " \
+                                               "for a writer for ever)"

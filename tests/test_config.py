@@ -160,3 +160,25 @@ def test_shown_path_escapes_what_is_not_utf8_or_not_printable_and_keeps_the_rest
     assert shown_path(b"a\xfe") == "a\\xfe" and shown_path("new\nline") == "new\\nline"
     assert shown_path("\ud800x") == "\\ud800x"  # (a surrogate os.fsdecode never makes)
     assert shown_path("d/é ok.json") == "d/é ok.json"
+
+
+@pytest.mark.parametrize("config, said", [
+    ({"num_slots": 1 << 22, "enable_hicache": True, "hicache_ratio": 16},
+     "num_slots x hicache_ratio (the host pool, tokens) must be at most 4194304, got 4194304 x 16"),
+    ({"num_slots": 1 << 21, "enable_hisparse": True, "disable_radix_cache": True, "hisparse_host_ratio": 4},
+     "num_slots x hisparse_host_ratio (the host pool, tokens) must be at most 4194304, got 2097152 x 4"),
+    ({"max_req_rows": 4096, "context_len": 1 << 15},
+     "max_req_rows x context_len (the request-row table, entries) must be at most 16777216, got 4096 x 32768"),
+    ({"disaggregation_mode": "decode", "disable_radix_cache": True, "max_req_rows": 4096, "pd_pre_alloc_rows": 4096,
+      "context_len": 4096},
+     "(max_req_rows + pd_pre_alloc_rows) x context_len (the request-row table, entries) must be at most 16777216, "
+     "got 8192 x 4096"),
+], ids=["hicache", "hisparse", "rows", "pd-rows"])
+def test_a_built_in_engine_config_whose_tables_take_gbs_is_refused(config, said):
+    """th64: every field in its range, yet the engine's start built 16 GiB of host K and V (hicache_ratio 16 over
+    4194304 slots: an out-of-memory crash, exit 70) or a 1-2 GiB request-row table. Refused when the config is
+    read, before any engine is built; the presets and every recorded file stay well inside."""
+    with pytest.raises(ValueError) as e:
+        config_from_dict({"target": "eut", **config})
+    assert str(e.value) == said
+    config_from_dict({"target": "eut", **config, "num_slots": 1 << 10, "context_len": 1 << 10})  # (these pass)

@@ -199,3 +199,26 @@ def test_a_target_with_every_capability_draws_the_programs_it_drew_before(search
         mut = Mutator(rng, frozenset(program_features(config)) | frozenset(CAPABILITIES), top, MAX_OPS)
         before = [mut.fresh(MIN_OPS, MAX_OPS, swarm=False) for _ in drawn]
     assert drawn == before
+
+
+def test_a_corpus_program_nested_too_deeply_or_a_fifo_is_skipped(tmp_path):
+    """th64: a campaign whose DIR/programs held a program nested 100,000 deep ended 'kvaudit: internal error:
+    RecursionError' (exit 70); one whose DIR/programs held a FIFO named x.json searched nothing and never
+    ended (opening a FIFO to read waits for a writer). Both are unreadable files, counted and skipped."""
+    import os
+
+    from cli_helpers import freed_if_it_waits
+    from kvaudit.search.corpus_fuzz import CorpusStore
+
+    programs = tmp_path / "programs"
+    programs.mkdir()
+    (programs / "a-deep.json").write_text('{"program": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    fifo = str(programs / "b-fifo.json")
+    os.mkfifo(fifo)
+    (programs / "c-good.json").write_text(json.dumps({"program": program_to_json([Submit(0, 4, 4), Idle()])}))
+    store = CorpusStore(str(programs))
+    with freed_if_it_waits(fifo) as rescued:  # (the old code waited in open())
+        loaded = store.load_new()
+    assert not rescued, "load_new() waited on the FIFO"
+    assert loaded == [[Submit(0, 4, 4), Idle()]]
+    assert store.skipped == ["a-deep.json", "b-fifo.json"]

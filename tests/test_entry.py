@@ -373,9 +373,10 @@ def test_odd_standard_streams_keep_the_exit_code_or_end_74_on_a_full_stdout(redi
         assert r.returncode == code, (args, r.returncode)
 
 
-@pytest.mark.parametrize("columns", ["\u00b2", "\u0663"])
+@pytest.mark.parametrize("columns", ["\u00b2", "\u0663", "9" * 5000], ids=["superscript", "arabic", "5000-digits"])
 def test_a_columns_of_non_ascii_digits_is_ignored(columns, tmp_path):
-    """Tester 61c: `COLUMNS=²` was internal error 70 (rich reads it with int() after str.isdigit())."""
+    """Tester 61c: `COLUMNS=²` was internal error 70 (rich reads it with int() after str.isdigit()). th64: so
+    was a COLUMNS of 5,000 digits ('Exceeds the limit (4300 digits) for integer string conversion')."""
     for env_name in ("COLUMNS", "LINES"):
         r = subprocess.run([sys.executable, "-m", "kvaudit", "presets", "--target", "eut"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=120,

@@ -800,3 +800,23 @@ def test_a_pull_writes_no_second_copy_of_a_finding_the_folder_holds_under_anothe
     pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "k", str(tmp_path / "B")])
     assert pull.exit_code == 0 and "pulled campaign k: 0 new replay file(s) (1 in" in pull.output, pull.output
     assert os.listdir(tmp_path / "B" / "findings") == ["mine.json"]
+
+
+@pytest.mark.parametrize("ttl", ["abc", "nan", "inf", "1e308", "0", "-5"])
+def test_a_bad_fleet_ttl_is_refused_before_redis_is_reached(monkeypatch, tmp_path, ttl):
+    """th64: KVAUDIT_FLEET_TTL=abc (nan, inf, 1e308) was read once the engine was built: 'kvaudit: internal
+    error: ValueError: could not convert string to float' (exit 70; 1e308: Redis refused the expiry); 0 and -5
+    were taken. Now one line, exit 2, before --db's Redis (unreachable here: 69 else) is reached."""
+    monkeypatch.setenv("KVAUDIT_FLEET_TTL", ttl)
+    for args in (["fuzz", *HISPARSE, "--max-time", "2", "--out", str(tmp_path / "o")],
+                 ["ci", "--max-time", "2", "--presets", "default", "--out", str(tmp_path / "o")]):
+        res = invoke(*args, "--db", "redis://127.0.0.1:1/0")
+        assert res.exit_code == 2, res.output
+        assert one_error_line(res).endswith(f"KVAUDIT_FLEET_TTL={json.dumps(ttl)}: want a number of seconds > 0 and "
+                                            "at most 86400")
+    with pytest.raises(ValueError, match="^KVAUDIT_FLEET_TTL="):
+        hubs.fleet_ttl()
+    monkeypatch.setenv(hubs.TTL_ENV, " 2.5 ")
+    assert hubs.fleet_ttl() == 2.5
+    monkeypatch.delenv(hubs.TTL_ENV)
+    assert hubs.fleet_ttl() == hubs.DEFAULT_TTL

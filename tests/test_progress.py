@@ -171,3 +171,14 @@ def test_campaign_status_watch_on_a_dumb_terminal_prints_plain_lines_as_it_watch
     monkeypatch.setattr(fleet.time, "sleep", sleep)
     assert fleet.status("redis://localhost:6379/0", "c1", 1.0, False) == fleet.EXIT_INTERRUPTED
     assert seen[0] == "campaign c1: programs=3\n" and seen[1].count("programs=3") == 2, seen
+
+
+def test_a_columns_too_long_to_be_a_width_is_read_as_unset(monkeypatch):
+    """th64: off a terminal a COLUMNS of 5,000 digits raised from int() (internal error 70, in-process)."""
+    from kvaudit.app import progress
+
+    for junk in ("9" * 5000, "9" * 7):
+        monkeypatch.setenv("COLUMNS", junk)
+        assert progress._columns() == 120
+    monkeypatch.setenv("COLUMNS", "999999")
+    assert progress._columns() == 999999

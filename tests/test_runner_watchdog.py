@@ -230,3 +230,45 @@ def test_an_interrupt_swallowed_by_a_gc_callback_leaves_no_traceback(capsys, mon
     finally:
         gc.callbacks.remove(interrupted_in_gc)
         runner.INTERRUPTED.clear()
+
+
+def test_a_step_timeout_sent_again_while_the_interrupted_call_is_released_is_caught(monkeypatch):
+    """The StepTimeout that interrupted a call holds the call's frames in its traceback. A --model tiny
+    step over a 4M-slot pool held GBs of tensors, whose release, as the runner's handler let go of the
+    StepTimeout, outlasted the watchdog's resend (RESEND_S): the resent one landed on the way back into the
+    try, and `kvaudit replay` ended in a traceback (exit 1) with the watchdog still armed. Here the frame's
+    object has the watchdog send again as it is released, while the watchdog is still armed for this thread
+    (from C, as the watchdog's own send: nothing in between lets it land early)."""
+    import ctypes
+    import functools
+    import threading
+
+    tid = threading.get_ident()
+
+    class Resend:  # its finalizer is the watchdog's send itself: no Python code runs in it
+        __del__ = functools.partial(ctypes.pythonapi.PyThreadState_SetAsyncExc, ctypes.c_ulong(tid),
+                                    ctypes.py_object(runner.StepTimeout))
+
+    class Held:
+        def __del__(self):
+            if tid in runner._WATCHDOG._resend:  # still armed: it may send again now
+                self.resend = Resend()  # (released with this object, after this method returned)
+
+    def step(self):
+        frame_holds = Held()  # noqa: F841 (released with the StepTimeout's traceback)
+        _spin_forever()
+    monkeypatch.setattr(Scheduler, "step", step)
+    escaped = None
+    try:
+        with AuditedRun(get_preset("default").config(), step_limit=0.3) as run:
+            found = run.apply(Step(1))
+    except runner.StepTimeout as e:
+        escaped = e
+    finally:
+        while runner._WATCHDOG._armed or runner._WATCHDOG._resend:  # (the old code left it armed)
+            try:
+                runner._WATCHDOG.disarm()
+            except runner.StepTimeout:
+                pass
+    assert escaped is None, "a StepTimeout escaped the runner"
+    assert [runner.is_watchdog_hang(f) for f in found] == [True]

@@ -622,3 +622,14 @@ def test_minimize_refuses_a_signature_its_suppression_file_covers_in_one_line(tm
     rules.write_text('[[suppress]]\nkind = "leak"\n')
     m = invoke("minimize", str(path), "--suppress", str(rules))
     assert m.exit_code == 2 and "is suppressed by rule #1 (kind=leak)" in one_error_line(m), m.output + m.stderr
+
+
+@pytest.mark.parametrize("value", ["[" * 100_000 + "]" * 100_000, "{a = " * 5000 + "1" + "}" * 5000])
+def test_a_suppression_file_nested_too_deeply_is_one_line(tmp_path, value):
+    """th64: arrays or inline tables nested thousands deep ended 'kvaudit: internal error: RecursionError:
+    maximum recursion depth exceeded' (exit 70)."""
+    path = tmp_path / "deep.toml"
+    path.write_text(f"[[suppress]]\nkind = \"leak\"\nx = {value}\n")
+    with pytest.raises(SuppressionError) as e:
+        load_suppressions(str(path))
+    assert str(e.value) == f"{path} is not a TOML suppression file: nested too deeply"

@@ -213,6 +213,19 @@ def test_a_plugin_that_fails_to_import_is_one_line_exit_2(command, tmp_path, mon
     assert str(tmp_path) not in sys.path  # not found there either: the path is left as it was
 
 
+@pytest.mark.parametrize("plugins, tail", [("a" * 100_000, "..."), (",".join(f"x{i}" for i in range(5000)), "; and 4997 more")],
+                         ids=["huge-name", "5000-modules"])
+def test_a_kvaudit_plugins_of_huge_names_or_thousands_of_modules_is_a_short_line(plugins, tail, monkeypatch,
+                                                                                 fresh_registry):
+    """th64: a module name of 100,000 characters made a 200 KB error line (the name twice, whole), and 5,000
+    modules that did not import a 470 KB one (each named)."""
+    monkeypatch.setenv("KVAUDIT_PLUGINS", plugins)
+    r = invoke("presets")
+    assert r.exit_code == 2, r.output[-500:]
+    line = one_error_line(r)
+    assert line.startswith('kvaudit: error: cannot import "') and line.endswith(tail) and len(line) < 2000, len(line)
+
+
 @pytest.mark.parametrize("command", [["presets"], ["bugs", "--target", "eut"]])
 def test_a_plugin_module_that_registers_no_kind_is_one_warning_line_and_the_command_goes_on(
         command, monkeypatch, fresh_registry):

@@ -257,10 +257,14 @@ def check_db(url: str, reach: bool = True):
     """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING (``reach`` False: the URL's form
     only, and None, for a run that will not use it). Raises :class:`InputError` for a bad URL,
     :class:`UnavailableError` when nothing answers there."""
-    from kvaudit.search.hub import BadURL, HubError, connect, safe_url
+    from kvaudit.search.hub import BadURL, HubError, connect, fleet_ttl, safe_url
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise InputError(f"--db {json_value(safe_url(url))}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
+    try:
+        fleet_ttl()  # (read by the campaign once its engine is built: a bad one refused here, before)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     try:
         client = connect(url, check=reach)  # (not reached: the URL parsed as redis-py parses it, nothing sent)
     except BadURL as e:  # redis-py could not parse it (a non-numeric port)

@@ -79,9 +79,10 @@ class LiveDisplay(Live):
 
 
 def _columns() -> int:
-    # COLUMNS off a terminal: a positive whole number, else 120 (a shell's `COLUMNS=abc` is not an error)
+    # COLUMNS off a terminal: a positive whole number (of at most 6 digits), else 120 (a shell's `COLUMNS=abc`
+    # is not an error)
     text = os.environ.get("COLUMNS", "").strip()
-    return int(text) if text.isascii() and text.isdigit() and int(text) > 0 else 120
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 6 and int(text) > 0 else 120
 
 
 def live_terminal(console: Console) -> bool:

@@ -312,7 +312,7 @@ class AuditedRun:
 
     def _guarded(self, call, *args) -> list[Finding] | None:
         # None when call(*args) returned in time, else [] (the deadline was due: out_of_time) or [hang]
-        called, raised = False, None
+        called, raised, landed = False, None, None
         while True:
             # NOTE: a StepTimeout landing in the call or in the disarm (sent as the call returned, or
             # sent again) lands here, and the disarm is repeated
@@ -329,8 +329,13 @@ class AuditedRun:
                 _WATCHDOG.disarm()
                 fired = _WATCHDOG.take()
                 break
-            except StepTimeout:
+            except StepTimeout as e:
+                # NOTE: kept past the disarm: its traceback holds the interrupted call's frames (a model's
+                # tensors, GBs), whose release here took long enough for a StepTimeout sent again to land
+                # on the way back into the try, uncaught (a traceback, exit 1)
+                landed = e
                 continue
+        del landed  # (the interrupted call's frames, released once nothing more can be sent)
         if raised is not None:
             raise raised  # the engine's own error, raised before any interrupt landed
         if fired is None:

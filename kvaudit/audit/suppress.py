@@ -107,6 +107,8 @@ def load_suppressions(path: str) -> list[Suppression]:
     except UnicodeDecodeError as e:
         raise SuppressionError(f"{path} is not a TOML suppression file: not UTF-8 ({e.reason} at byte "
                                f"{bom + e.start})") from None
+    except RecursionError:  # (arrays or inline tables nested thousands deep)
+        raise SuppressionError(f"{path} is not a TOML suppression file: nested too deeply") from None
     extra = sorted(set(doc) - {"suppress"})
     if extra:
         raise SuppressionError(f"{path}: unknown top-level key {json_value(extra[0], 60)} (want [[suppress]] tables)")

@@ -90,6 +90,8 @@ def _setup() -> None:
         MAX_OPS = int(os.environ.get("KVAUDIT_MAX_OPS") or 24)
     except ValueError:
         _die(f"KVAUDIT_MAX_OPS must be an integer, got {json_value(os.environ['KVAUDIT_MAX_OPS'], 40)}")
+    if MAX_OPS < 1:  # (every input decoded to the final idle() alone: a session that fuzzed nothing, exit 0)
+        _die(f"KVAUDIT_MAX_OPS must be at least 1, got {MAX_OPS}")
 
 
 _counts = {"executions": 0, "ops": 0}

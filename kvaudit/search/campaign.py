@@ -716,7 +716,10 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     URL that makes the workers part of campaign ``campaign`` across hosts (``ttl``: seconds a claim or heartbeat
     lives unrenewed, default $KVAUDIT_FLEET_TTL or 30); ``fleet``: the findings pulled from it during this run.
     Raises OSError if ``corpus`` cannot be written."""
-    ttl = float(os.environ.get("KVAUDIT_FLEET_TTL", "30")) if ttl is None else ttl
+    if ttl is None:
+        from kvaudit.search.hub import fleet_ttl
+
+        ttl = fleet_ttl()
     os.makedirs(findings_dir(corpus), exist_ok=True)
     fleet, target = None, replay.target_name(config)
     if db is not None:  # the fleet's findings are known before the first program runs (those its kind lacks)

@@ -102,6 +102,8 @@ def check_regression(path: str, runs: int = CONFIRM_RUNS) -> RegressionCheck:
     t0 = time.monotonic()
     name = os.path.splitext(os.path.basename(path))[0]
     try:
+        if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):  # (a folder: load says so)
+            raise replay.ReplayFormatError(f"{path} is not a regular file (a FIFO's reader waits for a writer for ever)")
         config, program, recorded, _ = replay.load(path)
     except replay.ReplayFormatError as e:  # (a plugin's file or a start-up interrupt's --json is not broken)
         error = ("unavailable" if isinstance(e, replay.TargetNotLoadedError) else

@@ -122,13 +122,16 @@ class CorpusStore:
     def _parse(self, label: str, read: Callable[[], list]) -> list[Op] | None:
         try:
             program = program_from_json(read())
-        except (OSError, ValueError, ProgramError):
+        except (OSError, ValueError, ProgramError, RecursionError):  # (RecursionError: JSON nested too deeply)
             self.skipped.append(label)
             return None
         return _closed(program) if program else None
 
     def _read(self, name: str) -> list | None:
-        with open(os.path.join(self.path, name), encoding="utf-8-sig") as fh:  # (a BOM, an editor's, skipped)
+        path = os.path.join(self.path, name)
+        if not os.path.isfile(path):  # a FIFO: opening one to read waits for a writer for ever
+            raise OSError(f"{path} is not a regular file")
+        with open(path, encoding="utf-8-sig") as fh:  # (a BOM, an editor's, skipped)
             doc = json.load(fh)
         return doc.get("program") if isinstance(doc, dict) else None
 

@@ -8,6 +8,7 @@ keys, claims, the outbox): docs/internals/search.md.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -21,6 +22,8 @@ from kvaudit.config import json_value
 
 RETRY_EVERY = 2.0  # seconds between reconnection attempts while Redis is away
 DEFAULT_TTL = 30.0  # seconds a claim and a heartbeat live without renewal
+TTL_ENV = "KVAUDIT_FLEET_TTL"  # what sets it (a test's short one, a slow fleet's long one)
+MAX_TTL = 24 * 3600.0  # a claim a dead worker held is free again within a day
 BEAT_EVERY = 2.0  # at most this many seconds between heartbeats (ttl/3 when shorter): `campaign status`'s figures
 
 # NOTE: the claim and the registration are Lua scripts so that each is one atomic step in Redis: two
@@ -72,6 +75,22 @@ for i = 1, #KEYS do
 end
 return 0
 """
+
+
+
+def fleet_ttl() -> float:
+    """Seconds a claim or heartbeat lives unrenewed: ``$KVAUDIT_FLEET_TTL``, else :data:`DEFAULT_TTL`. Raises
+    ``ValueError`` (one line) for a value that is not a number of seconds in ``(0, MAX_TTL]``."""
+    raw = os.environ.get(TTL_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TTL
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = math.nan
+    if not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL):  # (nan, inf: Redis takes whole seconds, int() refuses)
+        raise ValueError(f"{TTL_ENV}={json_value(raw, 40)}: want a number of seconds > 0 and at most {MAX_TTL:.0f}")
+    return ttl
 
 
 class HubError(Exception):

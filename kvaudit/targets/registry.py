@@ -400,9 +400,10 @@ def _load() -> None:
                     raise
         except Exception as e:  # noqa: BLE001 -- a broken plugin is named, never a traceback
             why = " ".join(str(e).split())  # one line, whatever the module raised
+            why = why if len(why) <= 400 else why[:397] + "..."  # (it may name a module of 100,000 characters)
             # (a kind it registered that register() refuses: the module imported, its kind did not load)
             verb = "cannot load the target kind of" if isinstance(e, TargetDefinitionError) else "cannot import"
-            _plugin_errors.append(f"{verb} {json_value(mod)} named in {PLUGINS_ENV}: {type(e).__name__}: {why}")
+            _plugin_errors.append(f"{verb} {json_value(mod, 80)} named in {PLUGINS_ENV}: {type(e).__name__}: {why}")
             continue
         finally:
             _importing.pop()
@@ -441,8 +442,9 @@ def check_plugins() -> None:
     each that did not (a misspelled module is the user's input, not a missing target to shrug at).
     Loads the registry first."""
     _load()
-    if _plugin_errors:
-        raise PluginError("; ".join(_plugin_errors))
+    if _plugin_errors:  # (the first three: a list of thousands is no line)
+        more = f"; and {len(_plugin_errors) - 3} more" if len(_plugin_errors) > 3 else ""
+        raise PluginError("; ".join(_plugin_errors[:3]) + more)
 
 
 BUILTIN_KINDS = ("eut", "sglang", "vllm")

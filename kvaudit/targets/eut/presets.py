@@ -17,7 +17,31 @@ __all__ = ["EutConfig", "PRESETS", "Preset", "UnknownPresetError", "get_preset"]
 class EutConfig(ConfigBase, EngineConfig):
     """:class:`engine_under_test.EngineConfig` (its fields, defaults and validation, which raises
     ``ValueError`` or ``UnknownBugError``) with :class:`kvaudit.config.ConfigBase`'s ``to_dict``,
-    ``from_dict`` and ``replace``."""
+    ``from_dict`` and ``replace``; and the bounds on what two fields size together (:func:`_check_tables`)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_tables(self)
+
+
+# NOTE: each field's range (the engine's _INT_RANGES) bounds one size; the engine also builds at start tables
+# that two fields size together, each GBs at the fields' maxima (16 GiB of host K and V for num_slots 4194304
+# at hicache_ratio 16: an out-of-memory crash, exit 70, instead of a bad-config line)
+MAX_HOST_SLOTS = 1 << 22  # a host tier's slots: at most the largest device pool (num_slots), 1 GiB of K and V
+MAX_ROW_TABLE = 1 << 24  # entries of the request-row table (req_to_token, int64: 128 MiB)
+
+
+def _check_tables(c: EngineConfig) -> None:
+    """Raises ``ValueError`` for a host tier or request-row table past its bound."""
+    for on, ratio in (("enable_hicache", "hicache_ratio"), ("enable_hisparse", "hisparse_host_ratio")):
+        if getattr(c, on) and c.num_slots * getattr(c, ratio) > MAX_HOST_SLOTS:
+            raise ValueError(f"num_slots x {ratio} (the host pool, tokens) must be at most {MAX_HOST_SLOTS}, got "
+                             f"{c.num_slots} x {getattr(c, ratio)}")
+    rows = c.max_req_rows + (c.pd_pre_alloc_rows if c.is_pd_decode else 0)
+    if rows * c.context_len > MAX_ROW_TABLE:
+        what = "(max_req_rows + pd_pre_alloc_rows)" if c.is_pd_decode else "max_req_rows"
+        raise ValueError(f"{what} x context_len (the request-row table, entries) must be at most {MAX_ROW_TABLE}, "
+                         f"got {rows} x {c.context_len}")
 
 
 def _preset(name: str, description: str, overrides: dict) -> Preset:
