@@ -1211,6 +1211,26 @@ def test_an_interrupted_clean_run_still_says_what_it_reached(tmp_path, monkeypat
     assert "reached: probe_paths=2" in r.stdout, r.stdout
 
 
+def test_a_clean_ci_preset_line_names_a_path_no_program_reached(tmp_path, monkeypatch):
+    """`kvaudit fuzz` names a path at 0 on a `not reached:` line of its own (not searched); `kvaudit ci`'s preset
+    line only listed it inside `reached:` (`fuzz retract: 12 executions, clean; reached: ..., oom_retractions=0,
+    ...`), where a clean night read as if the path had been searched."""
+    from kvaudit.targets.eut.target import EutTarget
+
+    monkeypatch.setattr(EutTarget, "reach", lambda self: {"probe_paths": 1, "evictions": 0, "aborts": 0})
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "2", "--presets", "default", "--fuzzer", "random", "--regressions", str(empty),
+               "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0, r.output
+    assert re.search(r"^fuzz default: [1-9]\d* executions, clean; reached: aborts=0, evictions=0, probe_paths=[1-9]\d*; "
+                     r"not reached: aborts, evictions \(not searched\)$", r.stderr, re.M), r.output
+    monkeypatch.setattr(EutTarget, "reach", lambda self: {"probe_paths": 1})
+    r = invoke("ci", "--max-time", "1", "--presets", "default", "--fuzzer", "random", "--regressions", str(empty),
+               "--out", str(tmp_path / "p"))
+    assert r.exit_code == 0 and "not reached" not in r.output, r.output
+
+
 def test_a_campaign_sums_its_workers_path_counters_keeping_a_path_at_zero():
     """Each worker's progress carries its Target.reach() sums; the parent's stats hold their total, and a
     counter every worker has at 0 stays, at 0 (the clean run's ``reached:`` line names the path not reached)."""

@@ -956,3 +956,48 @@ def test_target_in_place_pause_outlasts_the_liveness_window_without_a_finding():
         assert run.apply(ContinueGeneration()) == [] and t.progress() != {}
         assert run.apply(Idle()) == []
         assert outputs(t.engine)[t.submitted[0]].reason == FinishReason.ABORT
+
+
+# == reach: each preset counts the path it exists for ===========================================
+
+@pytest.mark.parametrize("preset, path, cls, method, n", [
+    ("hicache", "hicache_backups", "HiRadixCache", "_backup", lambda out, *a: int(out)),
+    ("hicache", "hicache_load_backs", "HiRadixCache", "load_back", lambda out, *a: int(out is not None)),
+    ("hisparse", "hisparse_staged", "HiSparseCoordinator", "collect_ready_reqs", lambda out, *a: len(out)),
+    ("pd-decode-hisparse", "transfers_landed", "Scheduler", "_commit_transfer_to_req", lambda out, *a: int(out)),
+    ("priority", "priority_preemptions", "Scheduler", "preempt_to_schedule", lambda out, *a: len(out)),
+    ("retract", "oom_retractions", "Scheduler", "retract_decode",
+     lambda keep, reqs, force=False: 0 if force else sum(r not in keep and not r.finished() for r in reqs)),
+], ids=["hicache-backups", "hicache-load-backs", "hisparse", "pd-decode-hisparse", "priority", "retract"])
+def test_a_clean_run_counts_the_path_its_preset_exists_for(monkeypatch, preset, path, cls, method, n):
+    """The built-in engine's reach() counted retractions, aborts and flushes, and only session turns and failed
+    transfers of the paths its presets exist for: `kvaudit fuzz --preset hicache` printed `reached: aborts=1635,
+    flushes=170, retractions=264` with nothing on HiCache's backups and load-backs (hisparse: staging; PD decode:
+    transfers landed; priority: preemptions; retract: decode out of memory, beside the memory pressure ops'
+    forced retractions). Each path is now counted, and the count matches the engine's own calls, counted here
+    on the class (4 seeded random programs of 96 ops, as the searches draw them)."""
+    import random
+    import time
+
+    from engine_under_test.hicache import HiRadixCache
+    from engine_under_test.hisparse import HiSparseCoordinator
+    from kvaudit.program import random_program
+    from kvaudit.program.schema import max_prompt
+    from kvaudit.search.fuzz import FuzzStats, run_program
+    from kvaudit.targets import program_features
+
+    owner = {"HiRadixCache": HiRadixCache, "HiSparseCoordinator": HiSparseCoordinator, "Scheduler": Scheduler}[cls]
+    real, calls = getattr(owner, method), []
+
+    def counted(self, *a, **k):
+        out = real(self, *a, **k)
+        calls.append(n(out, *a, *k.values()))
+        return out
+
+    monkeypatch.setattr(owner, method, counted)
+    config, rng, stats = get_preset(preset).config(), random.Random(0), FuzzStats()
+    for _ in range(4):
+        program = random_program(rng, 96, max_prompt=max_prompt(config.context_len), features=program_features(config))
+        stats.executions += 1
+        assert not run_program(config, program, stats, None, time.monotonic() + 3600)[1]
+    assert stats.reached[path] == sum(calls) > 0, dict(stats.reached)

@@ -15,7 +15,7 @@ import pytest
 
 
 from kvaudit.program import (Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,
-                             PauseGeneration, Step, Submit)
+                             PauseGeneration, Step, Submit, TransferFail)
 from cli_helpers import invoke, reached
 from sglang_helpers import CORES, run_ops
 from kvaudit.audit.runner import AuditedRun, execute
@@ -150,6 +150,22 @@ def test_transfer_failure_without_deferral_releases_at_once(core):
     for op in [Submit(0, 20, 4), Step(2), Abort(0), Step(1)]:
         run.apply(op)
     assert stages(t) == {} and t.is_idle() and run.findings == [] and full(t)
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_transfer_failed_by_the_program_is_released_and_counted(core):
+    """The preset's programs draw TransferFail ops, but reach() counted landed transfers only: a clean run said
+    nothing of failed ones. A receiver concluding KVPoll.Failed ends its request, the KV goes back, the other
+    transfer lands, and `pd_transfers_failed` counts the one failed."""
+    run = AuditedRun(cfg(core, transfer_latency_steps=3))
+    t = run.target
+    for op in [Submit(0, 20, 4), Submit(1, 12, 4), Step(1)]:
+        assert run.apply(op) == []
+    assert stages(t) == {"r0": "transfer", "r1": "transfer"}
+    assert run.apply(TransferFail(0)) == [] and run.apply(Idle()) == []
+    assert stages(t) == {} and full(t) and "r1" in t.finished
+    assert (t.reach()["pd_transfers_failed"], t.reach()["pd_transfers_landed"]) == (1, 1), t.reach()
     run.close()
 
 

@@ -588,6 +588,19 @@ def test_non_streaming_session_turns_branch_from_the_turn_they_name(core):
     run.close()
 
 
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "non-streaming"])
+def test_reach_counts_the_turns_sent_into_a_session(streaming):
+    """The session presets exist for session turns, but reach() counted none: `kvaudit fuzz --target sglang
+    --preset sglang-session-nonstreaming` ended with a `reached:` line of retractions, evictions and result
+    batches only (the pre-0.5.23 target's counted `session_turns`). A turn sent into an open session counts;
+    a plain request, and a turn sent once its session closed (handled as a plain request), do not."""
+    ops = [OpenSession(), Submit(0, 12, 3, session=0), Idle(), Submit(1, 5, 3, session=0), Idle(), Submit(2, 6, 2),
+           Idle(), CloseSession(0), Submit(3, 4, 2, session=0), Idle()]
+    findings, run = run_ops(cfg("sglang-session", session_streaming=streaming), ops)
+    assert findings == [] and run.target.reach()["session_turns"] == 2, run.target.reach()
+    run.close()
+
+
 @pytest.mark.parametrize("core", CORES)
 def test_session_turns_close_idle_and_deferred(core):
     c = cfg("sglang-session", core)

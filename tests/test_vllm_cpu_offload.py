@@ -126,6 +126,35 @@ def test_stores_complete_in_order_and_the_pool_is_whole_after():
 
 
 @pytest.mark.vllm
+def test_reach_counts_each_store_and_load_the_scheduler_side_names():
+    """The presets exist for SimpleCPUOffloadConnector's stores and loads, but reach() counted neither: `kvaudit
+    fuzz --target vllm --preset vllm-cpu-offload-swa` printed `reached: connector_held_frees=0, preemptions=5,
+    preemptions_in_flight=0, stale_reads_checked=...`. Each store and load event the scheduler side's metadata
+    names is counted once (`offload_stores`, `offload_loads`), and `offload_flushes` counts the need_flush
+    metadata that found a transfer outstanding (seed 28: 26 stores, 1 load)."""
+    from kvaudit.audit.runner import AuditedRun
+    with AuditedRun(offload_config()) as run:
+        t = run.target
+        connector, worker = t.scheduler.connector, t.worker
+        build, events, flushes = connector.build_connector_meta, {"store": set(), "load": set()}, []
+
+        def record(*a, **k):
+            meta = build(*a, **k)
+            events["store"].update({meta.store_event} - {-1})
+            events["load"].update({meta.load_event} - {-1})
+            flushes.append(bool(meta.need_flush and (worker.loads or worker.stores)))  # (before the worker starts it)
+            return meta
+
+        connector.build_connector_meta = record
+        for op in random_program(28):
+            assert run.apply(op) == []
+        reach = t.reach()
+        assert (reach["offload_stores"], reach["offload_loads"], reach["offload_flushes"]) == (
+            len(events["store"]), len(events["load"]), sum(flushes)), (reach, events)
+        assert min(reach["offload_stores"], reach["offload_loads"], reach["offload_flushes"]) > 0, reach
+
+
+@pytest.mark.vllm
 def test_without_the_connectors_holders_the_in_flight_stores_read_as_leaks():
     """The holders the observer adds for the connector are needed: dropping them makes the GPU blocks a
     store in flight pins read as references nobody holds."""

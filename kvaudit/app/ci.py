@@ -17,7 +17,7 @@ from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXI
                                 refused, write_error)
 from kvaudit.app.configs import check_available, check_db, presets_arg
 from kvaudit.app.files import check_dir, load_suppressions, reports_written, write_reports
-from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY, print_shipped_analysis
+from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY, not_reached, print_shipped_analysis
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.config import shown_path
@@ -163,12 +163,14 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
                              on_progress=progress.update, target=target, db=db, campaign=campaign_name,
                              taken=frozenset(path for r in result.fuzz for _, _, path in r.new))
     result.fuzz.append(run)
+    zero = not_reached(run.reached)  # paths no program took: the clean line says they were not searched
     err.print(f"fuzz {preset}: {run.executions} executions, "
               + (f"{len(run.new_signatures())} NEW finding(s)" if run.new else
                  f"{len(run.unwritten)} NEW finding(s) not written (disk full)" if run.unwritten else "nothing searched"
                  if run.nothing_searched else "interrupted before its share ended" if run.interrupted else "clean")
               + (f", {len(run.known)} known" if run.known else "")
-              + ("; reached: " + ", ".join(f"{k}={v}" for k, v in sorted(run.reached.items())) if run.reached else ""),
+              + ("; reached: " + ", ".join(f"{k}={v}" for k, v in sorted(run.reached.items())) if run.reached else "")
+              + (f"; not reached: {', '.join(zero)} (not searched)" if zero and run.executions else ""),
               soft_wrap=True)
     if run.interrupted:
         raise KeyboardInterrupt

@@ -434,12 +434,17 @@ def _run_data(config, program, findings, sset, stats: search_fuzz.FuzzStats, see
                              suppressions=sset if stats.executions else None)  # (tried on nothing: no table)
 
 
+def not_reached(reached) -> list[str]:
+    """The paths of ``reached`` (``Target.reach()`` summed) at 0, sorted: no program took them (not searched)."""
+    return sorted(k for k, v in reached.items() if not v)
+
+
 def print_reached(console, stats) -> None:
     """``reached: name=count, ...``: what the programs reached (``Target.reach()`` summed), where the target
     counts paths; then, where some are at 0, ``not reached: name, ...``: paths no program took (not searched)."""
     if stats.reached:
         console.print("reached: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.reached.items())), soft_wrap=True)
-        zero = sorted(k for k, v in stats.reached.items() if not v)
+        zero = not_reached(stats.reached)
         if zero and stats.executions:
             console.print(f"not reached: {', '.join(zero)} (no program of the {stats.executions} took these paths: "
                           "not searched)", soft_wrap=True)

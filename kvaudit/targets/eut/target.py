@@ -129,6 +129,7 @@ class EutTarget(EutObserver):
         self._load_back_names: dict[int, tuple[object, str]] = {}  # id(LoadBack) -> (record, holder name)
         self.last_retraction: str | None = None
         self._track_retraction()
+        self._paths = self._count_paths()  # reach()'s counts of the engine's own paths
         hs = s.hisparse_coordinator
         if hs is not None:
             self._pools += [
@@ -235,16 +236,62 @@ class EutTarget(EutObserver):
         self._session_turns += args["session_id"] is not None
 
     def reach(self) -> dict[str, int]:
-        """Requests retracted (decode retraction, a retract-mode pause), requests aborted (by the client
-        or a failed transfer), successful flush_cache calls; with streaming sessions, turns sent into a
-        session; in PD decode, transfers failed by the test. Cumulative since the target was built
-        (:meth:`Target.reach`)."""
+        """Requests retracted (decode retraction, forced by memory pressure too; a retract-mode pause; a
+        priority preemption), requests aborted (by the client or a failed transfer), successful flush_cache
+        calls; then the paths of the config's features (:meth:`_count_paths`): with streaming sessions, turns
+        sent into a session; in PD decode, transfers failed by the test. Cumulative since the target was
+        built (:meth:`Target.reach`)."""
         out = {"retractions": self.engine.num_retractions, "aborts": len(self.aborted), "flushes": self.flushed()}
         if self.config.enable_streaming_session:
             out["session_turns"] = self._session_turns
         if self.config.is_pd_decode:
             out["failed_transfers"] = self._failed_transfers
-        return out
+        return {**out, **self._paths}
+
+    def _count_paths(self) -> dict[str, int]:
+        """Wrap the engine's calls that take the paths its config's features exist for, counting each into
+        the dict returned (what :meth:`reach` adds): with ``new_token_ratio`` < 1, ``oom_retractions`` (requests
+        decode retracted because the next step did not fit: not forced by memory pressure, not a pause); with
+        priority scheduling, ``priority_preemptions`` (requests ``preempt_to_schedule`` preempted); in PD
+        decode, ``transfers_landed`` (transfers committed into their request, HiSparse's direct admission
+        into a device buffer included; a health check's fake one too); in aggregated HiSparse,
+        ``hisparse_staged`` (requests whose host staging finished and that joined decode with a device
+        buffer); with HiCache, ``hicache_backups`` (device-to-host copies made) and ``hicache_load_backs``
+        (host hits loaded back to the device)."""
+        eng, cfg, counts = self.engine, self.config, {}
+
+        def count(obj, name: str, key: str, n=lambda out, *a, **k: int(bool(out))) -> None:
+            fn, counts[key] = getattr(obj, name), 0
+
+            def counted(*a, **k):
+                out = fn(*a, **k)
+                counts[key] += n(out, *a, **k)
+                return out
+
+            setattr(obj, name, counted)
+
+        if cfg.new_token_ratio < 1:
+            counts["oom_retractions"] = 0
+            retract = eng.retract_decode
+
+            def retract_wrapper(reqs, force=False):
+                before = eng.num_retractions
+                keep = retract(reqs, force=force)
+                if not force:
+                    counts["oom_retractions"] += eng.num_retractions - before
+                return keep
+
+            eng.retract_decode = retract_wrapper
+        if cfg.enable_priority_scheduling:
+            count(eng, "preempt_to_schedule", "priority_preemptions", lambda out, *a, **k: len(out))
+        if cfg.is_pd_decode:
+            count(eng, "_commit_transfer_to_req", "transfers_landed")
+        elif eng.hisparse_coordinator is not None:
+            count(eng.hisparse_coordinator, "collect_ready_reqs", "hisparse_staged", lambda out, *a, **k: len(out))
+        if cfg.enable_hicache:
+            count(eng.tree_cache, "_backup", "hicache_backups")
+            count(eng.tree_cache, "load_back", "hicache_load_backs", lambda out, *a, **k: int(out is not None))
+        return counts
 
     def _text(self, rid: str) -> list[int]:
         """The prompt and output so far of submitted request ``rid`` (a session turn: its own input)."""

@@ -150,6 +150,7 @@ class PdDecode(PdServer):
                                     kv_checksum_enabled=disagg.disaggregation_enable_kv_checksum)
         self.network = Network(config.transfer_latency_steps, config.abort_ack_steps,
                                 config.kv_checksum_mismatch_every, config.page_size)
+        self.transfers_failed = 0  # reach()'s: transfers a TransferFail op failed
         self.target.clock.install(P.decode)
         manager_cls, self._receiver_cls = fake_backend(P, self.network)
         streamer = _Streamer()
@@ -286,6 +287,7 @@ class PdDecode(PdServer):
         pending = [rid for rid in self.target.live_rids() if (rid in receivers or rid in waiting)
                    and not rid.startswith("HEALTH_CHECK_")]
         for rid in pending if handle is None else [pending[handle % len(pending)]] if pending else []:
+            self.transfers_failed += 1
             if rid in receivers:
                 receivers[rid].conclude_state = self.P.KVPoll.Failed
             else:
@@ -382,9 +384,11 @@ class PdDecode(PdServer):
         return out
 
     def reach(self, out: dict[str, int]) -> dict[str, int]:
-        """The checksum's verifications and re-verifications (:meth:`ChecksumWatch.reach`), retractions, and
-        the transfers that landed (``Network.land``)."""
+        """The checksum's verifications and re-verifications (:meth:`ChecksumWatch.reach`), retractions, the
+        transfers that landed (``Network.land``) and those a ``TransferFail`` op failed (:meth:`transfer_fail`:
+        a receiver concluded ``KVPoll.Failed``, or a landed transfer's expected checksum made wrong)."""
         out["pd_decode_retractions"], out["pd_transfers_landed"] = self.target.retractions, self.network.landed
+        out["pd_transfers_failed"] = self.transfers_failed
         return self.watch.reach(out)
 
     def is_idle(self, idle: bool, ignore_waiting: bool) -> bool:

@@ -180,12 +180,15 @@ class OffloadWorkerStandIn(StepClock):
     """The worker role of ``SimpleCPUOffloadConnector`` (``simple_kv_offload/worker.py``): a step's load and store
     events (monotonic indices) are due by :meth:`due`, in order per kind (one CUDA stream each), reported in
     ``finished_recving`` (``load_event_to_reqs``) and ``completed_store_events``; ``need_flush`` completes every
-    outstanding one first. No transfer fails. ``loads`` / ``stores``: ``(event index, step due)``, in order."""
+    outstanding one first. No transfer fails. ``loads`` / ``stores``: ``(event index, step due)``, in order.
+    ``reached``: the target's, counting ``offload_stores`` / ``offload_loads`` (events started) and
+    ``offload_flushes`` (``need_flush`` with a transfer outstanding)."""
 
-    def __init__(self, latency_steps: int):
+    def __init__(self, latency_steps: int, reached: Counter):
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
         super().__init__(latency_steps)
-        self.worker_meta = SimpleCPUOffloadWorkerMetadata
+        self.worker_meta, self.reached = SimpleCPUOffloadWorkerMetadata, reached
+        self.reached.update(offload_stores=0, offload_loads=0, offload_flushes=0)
         self.loads: list[tuple[int, int]] = []
         self.stores: list[tuple[int, int]] = []
         self.load_reqs: dict[int, list[str]] = {}  # the latest metadata's load_event_to_reqs (no ``loading``:
@@ -202,13 +205,16 @@ class OffloadWorkerStandIn(StepClock):
         if meta is None:
             return
         if meta.need_flush:
+            self.reached["offload_flushes"] += bool(self.loads or self.stores)
             self.loads = [(e, min(d, step)) for e, d in self.loads]
             self.stores = [(e, min(d, step)) for e, d in self.stores]
         self.load_reqs = dict(meta.load_event_to_reqs)
         if meta.load_event >= 0:
             self.loads.append((meta.load_event, self._due(self.loads, "load", meta.load_event, step)))
+            self.reached["offload_loads"] += 1
         if meta.store_event >= 0:
             self.stores.append((meta.store_event, self._due(self.stores, "store", meta.store_event, step)))
+            self.reached["offload_stores"] += 1
 
     def finished(self, step: int, output_cls):
         """The ``KVConnectorOutput`` of the transfers done by ``step`` (each reported once), or None."""
@@ -325,7 +331,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
                                             push=config.kv_connector == "NixlPushConnector")
             self.reached.update(failed_transfers=0, invalid_blocks=0, kv_loads_done=0, kv_sends_done=0)
         elif config.kv_connector == "SimpleCPUOffloadConnector":
-            self.worker = OffloadWorkerStandIn(config.kv_transfer_latency_steps)
+            self.worker = OffloadWorkerStandIn(config.kv_transfer_latency_steps, self.reached)
         elif config.kv_connector in OFFLOADING:
             self.offload = OffloadingWorkerStandIn(config.kv_transfer_latency_steps, self._faults, self.reached)
             self.worker = self.offload if config.kv_connector == "OffloadingConnector" else MultiWorkerStandIn(
