@@ -391,8 +391,8 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Replay files that must still reproduce (and be clean when their switches are off) "
-                   "[default: the --target kind's corpus, ./corpora/regressions for eut and ./corpora/vllm for "
-                   "vllm (sglang has none), else the one kvaudit ships].")
+                   "[default: the regression corpus the --target kind ships, ./corpora/regressions for the "
+                   "built-in engine (docs/guides/ci.md lists each kind's); a kind that ships none needs this option].")
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Keep a campaign corpus per preset in DIR/<preset> between runs (nightly): known findings "
                    "are not new.")
