@@ -113,6 +113,7 @@ class PdDecode(PdServer):
     pre-allocation until its transfer is committed or its release is done."""
 
     name = "pd-decode"
+    transfers_failed = 0  # reach()'s: transfers a TransferFail op failed (counted per instance from 0)
 
     def build(self, config: SglangConfig):
         S, P = load(), load_pd()
@@ -150,7 +151,6 @@ class PdDecode(PdServer):
                                     kv_checksum_enabled=disagg.disaggregation_enable_kv_checksum)
         self.network = Network(config.transfer_latency_steps, config.abort_ack_steps,
                                 config.kv_checksum_mismatch_every, config.page_size)
-        self.transfers_failed = 0  # reach()'s: transfers a TransferFail op failed
         self.target.clock.install(P.decode)
         manager_cls, self._receiver_cls = fake_backend(P, self.network)
         streamer = _Streamer()
