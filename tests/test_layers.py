@@ -234,3 +234,34 @@ def test_a_planted_engine_branch_and_kind_import_are_caught(copy):
                    "kvaudit/app/configs.py compares to an engine name", "kvaudit/app/configs.py keys a dict by engine name",
                    "kvaudit/history/suite.py passes an engine name", "kvaudit/history/suite.py names an engine's corpus",
                    "kvaudit/reports/sarif.py compares to an engine name"]
+
+
+MAX_FUNCTION_LINES = 80  # issue 35: no function of kvaudit/ longer (engine_under_test's SGLang-modelled ones aside)
+
+
+def long_functions(root: str) -> list[str]:
+    """``path:line name (N lines)`` for every function or method under ``root``/kvaudit longer than
+    :data:`MAX_FUNCTION_LINES` (its ``def`` line to its last, docstring included, decorators not)."""
+    out = []
+    for d, _, names in os.walk(os.path.join(root, "kvaudit")):
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(d, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read())
+                for n in ast.walk(tree):
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        lines = n.end_lineno - n.lineno + 1
+                        if lines > MAX_FUNCTION_LINES:
+                            out.append(f"{os.path.relpath(path, root)}:{n.lineno} {n.name} ({lines} lines)")
+    return out
+
+
+def test_no_function_is_longer_than_80_lines():
+    assert long_functions(ROOT) == []
+
+
+def test_a_planted_long_function_is_caught(copy):
+    _plant(copy, "search/fuzz.py", "\n    ".join(["x = 1"] * 80))
+    assert [re.sub(r":\d+ ", " ", b) for b in long_functions(str(copy))] == [
+        "kvaudit/search/fuzz.py _planted (81 lines)"]
