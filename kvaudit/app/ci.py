@@ -227,7 +227,11 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
             ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the HTML header names them)
             lost = {sig: path for run in result.fuzz for sig, path in sorted(run.unwritten.items())}
             idle = result.nothing_searched
+            bad = [f"{r.name} ({r.problem})" for r in result.regressions if not r.ok]
             extra = {"job": "kvaudit ci", **({"not_written": lost} if lost else {}),  # (as a campaign's --json)
+                     # (the HTML's verdict: a job failed by its regressions alone is not clean)
+                     **({"regressions_failed": f"{len(bad)} of {len(result.regressions)} regression file(s): "
+                                               + "; ".join(bad)} if bad else {}),
                      **({"interrupted": True} if result.interrupted else {}),  # (the HTML's verdict says so)
                      **({"executions": sum(run.executions for run in result.fuzz)} if fuzzed else {}),
                      **({"nothing_searched": idle} if idle else {})}  # (exit 5: the presets that ran no program)
