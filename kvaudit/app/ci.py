@@ -203,7 +203,9 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
     kept and every other not written), or None."""
     kept = [path for run in result.fuzz for _, _, path in run.new if path not in run.unwritten.values()]
     base = kind.preset(first_preset).config()
-    texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}
+    ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the SARIF's and HTML's header name them)
+    texts = {"junit": lambda: ci.junit(result),
+             "sarif": lambda: json.dumps(ci.sarif(result, base, ran), indent=2) + "\n"}
     full = next((run.not_written for run in result.fuzz if run.not_written is not None), None)
     failed = [] if full is None else [(full, full.filename or "a file of the fuzz")]  # (after the reports below)
     also: list[str] = []  # (the HTML's and JSON's not written: named after the first)
@@ -224,7 +226,6 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
         cases = [Case(p, f, _timeline(path), doc_extra={"preset": run.preset},
                       config=kind.preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
         try:
-            ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the HTML header names them)
             lost = {sig: path for run in result.fuzz for sig, path in sorted(run.unwritten.items())}
             idle = result.nothing_searched
             bad = [f"{r.name} ({r.problem})" for r in result.regressions if not r.ok]
