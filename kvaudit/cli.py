@@ -528,7 +528,8 @@ def campaign_status_cmd(db_url, campaign_name, watch, as_json):
 def campaign_pull_cmd(db_url, campaign_name, directory):
     """Write the campaign's replay files into DIRECTORY/findings/ and its corpus programs into
     DIRECTORY/programs/, for 'kvaudit replay' and the reports. Exit 0, 2 on bad input (a campaign no
-    worker ever joined included), 69 when Redis cannot be reached or redis-py is not installed."""
+    worker ever joined included), 69 when Redis cannot be reached (or goes away during the pull) or redis-py
+    is not installed."""
     from kvaudit.app import fleet
 
     return fleet.pull(db_url, campaign_name, directory)

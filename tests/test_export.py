@@ -699,6 +699,33 @@ def test_a_campaign_says_when_kvaudit_ships_an_analysis_of_a_new_finding(tmp_pat
     assert out.index(known) < next(i for i, line in enumerate(out) if "==ERROR: kvaudit:" in line)
 
 
+def test_a_campaign_s_known_line_names_only_the_findings_it_reports_new(tmp_path):
+    """A campaign's new file whose program also raised a signature the campaign counts as known (and does not
+    report again) printed `known: kvaudit ships an analysis of` that known signature; ci names only the new
+    ones. Now the campaign does as ci: the line is about a finding it reports, or there is none."""
+    import io
+    import shutil
+
+    from rich.console import Console
+
+    from kvaudit.app.fuzz import _campaign_cases
+    from kvaudit.history.notes import note_for
+    from kvaudit.search.campaign import CampaignResult
+
+    path = str(tmp_path / "found.json")
+    shutil.copy(os.path.join(ROOT, "corpora", "sglang", "aliasing-a1-rejected-turn-clears-inflight.json"), path)
+    config, _, findings, _ = replay.load(path)
+    analysed = [f.signature for f in findings if note_for("sglang", [f.signature], config.preset)]
+    new = [f.signature for f in findings if f.signature not in analysed]
+    assert analysed and new
+    for reported, known, line in ((new, analysed, False), (analysed, new, True)):
+        console, err = (Console(file=io.StringIO(), width=100_000) for _ in range(2))
+        result = CampaignResult(new=dict.fromkeys(reported, path), known=dict.fromkeys(known, "corpus/k.json"))
+        _campaign_cases(result, config, console, err)
+        out = console.file.getvalue()
+        assert ("known: kvaudit ships an analysis of " in out) is line, (reported, out[:300])
+
+
 def test_ci_says_when_kvaudit_ships_an_analysis_of_a_new_finding(tmp_path, monkeypatch):
     """The same for `kvaudit ci`'s campaigns (a job over a real engine re-finding an analysed finding said
     nothing of it): its report of the new file starts with the `known:` line. The campaign and the engine's

@@ -227,6 +227,25 @@ def test_a_pull_onto_a_full_disk_says_so_and_names_the_file(redis_server, tmp_pa
         assert "2 of 3 corpus program(s) not written" not in line and "1 of 3 corpus program(s) in" in line
 
 
+def test_a_pull_whose_redis_goes_away_midway_exits_69_in_one_line(redis_server, tmp_path, monkeypatch):
+    """docs/reference/exit-codes.md gives `campaign pull` 69 for Redis unreachable; Redis going away after the
+    replay files were pulled (the corpus programs not read) is 69 too, in one line, not a partial pull's exit 0."""
+    r = redis_server.client()
+    r.sadd("kvaudit:t:workers", "host/1/0")
+    r.hset("kvaudit:t:findings", "leak/x", json.dumps(_doc("leak/x")))
+    real = hubs.Hub.pull_findings
+
+    def then_redis_stops(self, *a, **k):
+        got = real(self, *a, **k)
+        redis_server.stop()
+        return got
+
+    monkeypatch.setattr(hubs.Hub, "pull_findings", then_redis_stops)
+    pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "t", str(tmp_path / "d")])
+    assert pull.exit_code == 69, pull.output
+    assert one_error_line(pull) == f"kvaudit: error: --db {redis_server.url}: Redis went away during the pull"
+
+
 def test_a_workers_first_heartbeat_names_its_fuzzer(redis_server, tmp_path, monkeypatch):
     """`campaign status` showed `fuzzer=- executions=0` for a live worker until its second heartbeat, ttl/3 s on
     (the tester): the worker's fields were set after start() had sent the first."""

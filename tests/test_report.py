@@ -342,6 +342,22 @@ def test_html_header_names_the_finding_s_preset_and_a_job_s_presets(tmp_path):
     assert "presets <b>default, chunked</b> &middot; bugs: none &middot;" in page
 
 
+def test_ci_html_of_a_job_failed_by_its_regressions_alone_says_failed(tmp_path):
+    """A job whose only failure was a regression file (exit 1, 'FAILED: 0/1 regressions ok') wrote an HTML page
+    titled 'kvaudit report: default, clean' that said 'No findings.': it covered the new findings only."""
+    reg = tmp_path / "reg"
+    reg.mkdir()
+    (reg / "broken.json").write_text("{}")
+    r = invoke("ci", "--max-time", "0", "--regressions", str(reg), "--html", str(tmp_path / "ci.html"),
+               "--json", str(tmp_path / "ci.json"), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 1 and r.stdout.splitlines()[-1].startswith("FAILED: 0/1 regressions ok"), r.output
+    page = (tmp_path / "ci.html").read_text()
+    assert "<title>kvaudit report: default, FAILED</title>" in page
+    assert re.search(r'<p class="verdict bad">FAILED: 1 of 1 regression file\(s\): broken \(malformed: ', page)
+    assert "No findings." not in page and "verdict good" not in page
+    assert json.load(open(tmp_path / "ci.json"))["regressions_failed"].startswith("1 of 1 regression file(s): broken")
+
+
 
 def test_html_counts_findings_as_the_summary_line_does():
     """A job whose two presets found one signature (kvaudit ci: each preset's reproducer kept) printed

@@ -160,6 +160,35 @@ def test_an_interrupted_ci_log_says_its_run_did_not_complete(validator):
     assert "invocations" not in ci.sarif(ci.CiResult(), None)["runs"][0]
 
 
+def test_a_ci_sarif_over_several_presets_describes_them_all(tmp_path, validator):
+    """`ci --presets default,chunked --sarif`: the run's properties said `"preset": "default"` and gave default's
+    bugs and `engineConfig` only, though the results came from every preset (each result's `properties.preset`)."""
+    from kvaudit.search import ci
+
+    out = tmp_path / "ci.sarif"
+    r = invoke("ci", "--presets", "default,chunked", "--max-time", "1", "--regressions", str(tmp_path),
+               "--out", str(tmp_path / "out"), "--sarif", str(out))
+    assert r.exit_code == 0, r.output + r.stderr
+    log = json.load(open(out))
+    assert _errors(validator, log) == []
+    props = log["runs"][0]["properties"]
+    kind = registry.get("eut")
+    default, chunked = (kind.preset(p).config() for p in ("default", "chunked"))
+    assert props["presets"] == ["default", "chunked"] and "preset" not in props and "engineConfig" not in props
+    assert props["engineConfigs"] == {"default": default.to_dict(), "chunked": chunked.to_dict()}
+    assert props["bugs"] == [] and props["model"] == default.model
+    # the results are as they were: one per signature, each naming its own preset
+    c1, f1 = _load(os.path.join(ROOT, "corpora", "regressions", "chunked-abort-ignored.json"))
+    c2, f2 = _load(os.path.join(ROOT, "corpora", "regressions", "session-close-while-running.json"))
+    result = ci.CiResult(fuzz=[ci.FuzzRun(c1.preset, 1.0, 1, new=[([], f1, "a.json")]),
+                               ci.FuzzRun(c2.preset, 1.0, 1, new=[([], f2, "b.json")])])
+    both, first = ci.sarif(result, c1, (c1, c2)), ci.sarif(result, c1)
+    assert both["runs"][0]["results"] == first["runs"][0]["results"]
+    assert {r["properties"]["preset"] for r in both["runs"][0]["results"]} == {c1.preset, c2.preset}
+    assert both["runs"][0]["properties"]["bugs"] == sorted(set(c1.bugs) | set(c2.bugs))
+    assert ci.sarif(result, c1, (c1,)) == first  # one preset: the preset's properties, as before
+
+
 def test_an_interrupted_fuzz_run_s_sarif_says_its_run_did_not_complete(validator, tmp_path, monkeypatch):
     """`fuzz` interrupted (a campaign here, stopped after its workers started): the SARIF had no `invocations`,
     so a clean-looking log with no results read as a clean run's (first tester, stop 55; the docs promised it

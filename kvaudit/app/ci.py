@@ -205,7 +205,9 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
     kept and every other not written), or None."""
     kept = [path for run in result.fuzz for _, _, path in run.new if path not in run.unwritten.values()]
     base = kind.preset(first_preset).config()
-    texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}
+    ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the SARIF's and HTML's header name them)
+    texts = {"junit": lambda: ci.junit(result),
+             "sarif": lambda: json.dumps(ci.sarif(result, base, ran), indent=2) + "\n"}
     full = next((run.not_written for run in result.fuzz if run.not_written is not None), None)
     failed = [] if full is None else [(full, full.filename or "a file of the fuzz")]  # (after the reports below)
     also: list[str] = []  # (the HTML's and JSON's not written: named after the first)
@@ -226,10 +228,13 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
         cases = [Case(p, f, _timeline(path), doc_extra={"preset": run.preset},
                       config=kind.preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
         try:
-            ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the HTML header names them)
             lost = {sig: path for run in result.fuzz for sig, path in sorted(run.unwritten.items())}
             idle = result.nothing_searched
+            bad = [f"{r.name} ({r.problem})" for r in result.regressions if not r.ok]
             extra = {"job": "kvaudit ci", **({"not_written": lost} if lost else {}),  # (as a campaign's --json)
+                     # (the HTML's verdict: a job failed by its regressions alone is not clean)
+                     **({"regressions_failed": f"{len(bad)} of {len(result.regressions)} regression file(s): "
+                                               + "; ".join(bad)} if bad else {}),
                      **({"interrupted": True} if result.interrupted else {}),  # (the HTML's verdict says so)
                      **({"executions": sum(run.executions for run in result.fuzz)} if fuzzed else {}),
                      **({"nothing_searched": idle} if idle else {})}  # (exit 5: the presets that ran no program)

@@ -145,8 +145,10 @@ def pull(db: str, campaign: str, directory: str) -> int:
     store = CorpusStore(os.path.join(directory, "programs"), mirror=hub)
     store.seen.update(os.listdir(store.path) if os.path.isdir(store.path) else ())
     programs = store.load_new()
+    gone = None if hub.online else hub.outage  # (a worker's words: the error line below says it for the pull)
     for w in hub.warnings + [f"skipped a malformed corpus program in Redis ({n})" for n in store.skipped]:
-        err.print(f"warning: {w}", soft_wrap=True)
+        if w != gone:
+            err.print(f"warning: {w}", soft_wrap=True)
     if store.write_errors:  # (the store goes on past a file it cannot write; a pull must not say it has it)
         path, e = store.write_errors[0]
         kept = f"{len(programs) - len(store.write_errors)} of {len(programs)} corpus program(s) in {store.path}"

@@ -399,7 +399,8 @@ def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]
             err.print(f"warning: {e}", soft_wrap=True)
             continue
         paths.append(path)
-        print_shipped_analysis(console, config, findings, path)
+        # (of the findings it reports new, as ci: the file can hold known signatures its program raised too)
+        print_shipped_analysis(console, config, [f for f in findings if result.new.get(f.signature) == path], path)
         print_report(console, config, program, findings, closing=False)  # the campaign's line closes the run
         cases.append(Case(program, findings, doc.get("timeline"),
                           doc_extra={k: doc[k] for k in ("seed", "fuzzer", "confirmations") if k in doc}))

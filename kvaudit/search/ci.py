@@ -226,11 +226,12 @@ def still_open(known: dict[str, str], suppress_path: str | None = None, usage: l
     return out
 
 
-def sarif(result: CiResult, config) -> dict:
+def sarif(result: CiResult, config, ran: tuple = ()) -> dict:
     """The SARIF log of every open finding of the fuzz, one result per signature in signature order:
     ``baselineState`` ``"unchanged"`` for a signature some preset's corpus knew, else ``"new"``;
     ``properties.preset``: the first preset (in run order) that has it. An interrupted job's run, or one with a
-    preset that searched nothing, has an unsuccessful ``invocation``."""
+    preset that searched nothing, has an unsuccessful ``invocation``. The run's properties are ``config``'s; with
+    ``ran`` (the configs of the presets fuzzed) naming several presets, the job's (:func:`_presets_properties`)."""
     from kvaudit.reports.sarif import to_sarif
 
     first: dict[str, tuple[Finding, str]] = {}
@@ -243,6 +244,8 @@ def sarif(result: CiResult, config) -> dict:
                    baseline={s: "unchanged" if s in known else "new" for s in sigs})
     for s, r in zip(sigs, log["runs"][0]["results"]):
         r["properties"]["preset"] = first[s][1]
+    if len({c.preset for c in ran}) > 1:
+        _presets_properties(log["runs"][0]["properties"], ran)
     lost = sorted({sig for run in result.fuzz for sig in run.unwritten})
     if result.interrupted:  # its results are what ran: say the run did not complete
         log["runs"][0]["invocations"] = [ci_outputs.invocation(ci_outputs.INTERRUPTED)]
@@ -253,6 +256,19 @@ def sarif(result: CiResult, config) -> dict:
         log["runs"][0]["invocations"] = [ci_outputs.invocation(
             f"{len(lost)} new signature(s) found but not written (disk full): {', '.join(lost)}")]
     return log
+
+
+def _presets_properties(props: dict, ran: tuple) -> None:
+    """A job over several presets: ``props`` (the first preset's run properties) made the job's: ``presets``
+    lists them in run order, ``bugs`` is every bug any of them switches on, ``engineConfigs`` maps each to its
+    config; ``model`` and ``page_size`` stay where every preset has the same, and ``preset`` and ``engineConfig``
+    go (each result's ``properties.preset`` names its own)."""
+    configs = {c.preset: c.to_dict() for c in ran}
+    for key in ("preset", "engineConfig", "bugs", "model", "page_size"):
+        props.pop(key, None)
+    values = {k: [d.get(k) for d in configs.values()] for k in ("model", "page_size")}
+    props.update({"presets": list(configs), "bugs": sorted({b for d in configs.values() for b in d.get("bugs", [])}),
+                  **{k: v[0] for k, v in values.items() if v.count(v[0]) == len(v)}, "engineConfigs": configs})
 
 
 def junit(result: CiResult) -> str:

@@ -216,6 +216,7 @@ class Hub:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.warnings: list[str] = []
+        self.outage: str | None = None  # the warning of Redis's last outage (a pull ends on it in one error line)
         self._scripts = {name: client.register_script(src)  # (sent on first use, by SHA after that)
                          for name, src in (("claim", _CLAIM), ("register", _REGISTER), ("release", _RELEASE))}
 
@@ -235,8 +236,9 @@ class Hub:
                     return fn(self.r)
                 except _redis_errors() as e:
                     if self.online:  # (once per outage: the summary says the run was not all shared)
-                        self._warn(f"Redis unreachable from {time.strftime('%H:%M:%S')} ({type(e).__name__}): "
-                                   f"{self.who} searched on alone, queueing what it shares")
+                        self.outage = (f"Redis unreachable from {time.strftime('%H:%M:%S')} ({type(e).__name__}): "
+                                       f"{self.who} searched on alone, queueing what it shares")
+                        self._warn(self.outage)
                     self.online = False
                     self._retry_at = time.monotonic() + RETRY_EVERY
             if redo is not None:
