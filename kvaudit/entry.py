@@ -13,7 +13,8 @@ import sys
 import threading
 import time
 
-from kvaudit.app.interrupts import end_echoed_line, end_startup_interrupt  # standard library only: before the guard
+# standard library only: before the guard
+from kvaudit.app.interrupts import asks_help, end_echoed_line, end_startup_interrupt
 
 HEAVY = ("fuzz", "replay", "minimize", "ci", "bench", "report")  # commands that import torch and Hypothesis
 GUARDED = ("fuzz", "minimize", "ci", "bench")  # commands that take Ctrl-C and SIGTERM themselves (restoring_sigint)
@@ -36,7 +37,7 @@ def main() -> None:
         raise KeyboardInterrupt
 
     args = sys.argv[1:]
-    runs_engine = bool(args) and args[0] in HEAVY and not {"-h", "--help"} & set(args)
+    runs_engine = bool(args) and args[0] in HEAVY and not asks_help(args)  # (`fuzz --out --help` runs)
     try:
         # SIGTERM (timeout, Kubernetes, the Actions runner) as Ctrl-C: the commands take both alike; installed
         # inside the try, since a signal can land as soon as its handler is in (before the next line)

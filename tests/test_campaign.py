@@ -1442,3 +1442,29 @@ def test_a_fifo_among_the_regression_files_is_malformed_not_a_wait_for_ever(tmp_
     assert not rescued, "check_regression waited on the FIFO"
     assert check.malformed and check.problem == f"malformed: {fifo} is not a regular file (a FIFO's reader waits " \
                                                "for a writer for ever)"
+
+
+def test_a_campaign_rerun_keeps_the_known_findings_still_open_in_its_sarif(tmp_path):
+    """ts64: `fuzz --corpus DIR --sarif S` left the findings the corpus already knew out of the SARIF (0 results):
+    uploaded to code scanning, such a log closes alerts that are still open. As `kvaudit ci`, the known ones whose
+    corpus file still reproduces them are results, `"unchanged"`, at the same fingerprint."""
+    from kvaudit.reports.sarif import to_sarif
+
+    corpus = tmp_path / "c"
+    (corpus / "findings").mkdir(parents=True)
+    src = os.path.join(REGRESSIONS, "retract-unaligned-page.json")
+    shutil.copy(src, corpus / "findings")
+    config, _, recorded, _ = replay.load(src)
+    sarif = tmp_path / "s.sarif"
+    r = invoke("fuzz", "--preset", "retract", "--corpus", str(corpus), "--max-time", "1", "--out",
+               str(tmp_path / "o"), "--sarif", str(sarif))
+    assert r.exit_code in (0, 1), r.output
+    results = json.load(open(sarif))["runs"][0]["results"]
+    known = {f.signature for f in recorded}
+    old = {r_["partialFingerprints"]["kvauditSignature/v1"]: r_ for r_ in results}
+    assert known <= set(old), r.output
+    assert {old[s]["baselineState"] for s in known} == {"unchanged"}
+    assert {r_["baselineState"] for s, r_ in old.items() if s not in known} <= {"new"}
+    # the result a SARIF of the corpus file's findings has (location, fingerprints), but for its baselineState
+    want = {r_["partialFingerprints"]["kvauditSignature/v1"]: r_ for r_ in to_sarif(recorded, config)["runs"][0]["results"]}
+    assert {s: {k: v for k, v in old[s].items() if k != "baselineState"} for s in known} == {s: want[s] for s in known}

@@ -173,7 +173,10 @@ def test_shown_path_escapes_what_is_not_utf8_or_not_printable_and_keeps_the_rest
       "context_len": 4096},
      "(max_req_rows + pd_pre_alloc_rows) x context_len (the request-row table, entries) must be at most 16777216, "
      "got 8192 x 4096"),
-], ids=["hicache", "hisparse", "rows", "pd-rows"])
+    ({"model": "tiny", "context_len": (1 << 12) + 1},
+     'context_len must be at most 4096 with model "tiny" (its attention scores, heads x context_len x context_len '
+     'floats), got 4097'),
+], ids=["hicache", "hisparse", "rows", "pd-rows", "tiny-model"])
 def test_a_built_in_engine_config_whose_tables_take_gbs_is_refused(config, said):
     """th64: every field in its range, yet the engine's start built 16 GiB of host K and V (hicache_ratio 16 over
     4194304 slots: an out-of-memory crash, exit 70) or a 1-2 GiB request-row table. Refused when the config is
@@ -182,3 +185,20 @@ def test_a_built_in_engine_config_whose_tables_take_gbs_is_refused(config, said)
         config_from_dict({"target": "eut", **config})
     assert str(e.value) == said
     config_from_dict({"target": "eut", **config, "num_slots": 1 << 10, "context_len": 1 << 10})  # (these pass)
+
+
+def test_a_replay_file_whose_tiny_model_takes_gbs_is_refused_in_one_line(tmp_path):
+    """ts64: `--model tiny` builds heads x n x n attention scores for a prefill of n tokens: a replay file's config at
+    context_len 32768 (every field in its range) allocated about 8 GiB per forward. Refused when the file is read
+    (exit 2, one line), as the engine's other tables are; the same file at the bound replays."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    doc = json.load(open(os.path.join(here, "..", "corpora", "regressions", "retract-unaligned-page.json")))
+    for context, code in ((1 << 15, 2), (1 << 12, 0)):
+        path = tmp_path / f"tiny-{context}.json"
+        path.write_text(json.dumps({**doc, "config": {**doc["config"], "model": "tiny", "context_len": context}}))
+        r = invoke("replay", str(path))
+        if code == 2:
+            assert r.exit_code == 2, r.output
+            assert 'context_len must be at most 4096 with model "tiny"' in one_error_line(r), r.output
+        else:
+            assert r.exit_code in (0, 1), r.output  # (a tiny model may change the tokens, so the finding)

@@ -382,3 +382,42 @@ def test_a_columns_of_non_ascii_digits_is_ignored(columns, tmp_path):
                            capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": ROOT, env_name: columns})
         assert r.returncode == 0 and "presets:" in r.stdout and not r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, engine", [
+    (["fuzz", "--out", "--help"], True),  # click reads --help as --out's directory: the job runs
+    (["minimize", "f.json", "-o", "-h"], True),  # -o's value
+    (["fuzz", "--help"], False), (["fuzz", "--out", "d", "-h"], False), (["replay", "--update", "--help"], False),
+    (["ci", "--max-time=--help", "--help"], False),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_the_entry_point_reads_help_as_click_does(monkeypatch, args, engine):
+    """ts64: the entry point took any ``-h``/``--help`` in the line for help, so ``fuzz --out --help`` (a job: click
+    reads ``--help`` as --out's value) skipped the start-up guard and the parse check before the engine's
+    imports. It reads the line as the start-up reports do (kvaudit.app.interrupts); the engine's set-up is seen
+    through the parse check it asks for first (refused here, so nothing is imported)."""
+    import kvaudit.cli
+
+    checked = []
+    monkeypatch.setattr(kvaudit.cli, "parses", lambda a: checked.append(list(a)) and False)
+    monkeypatch.setattr(kvaudit.cli, "main", lambda **kw: sys.exit(0))
+    monkeypatch.setattr(entry, "_exit", lambda e, **k: None)
+    monkeypatch.setattr(sys, "argv", ["kvaudit", *args])
+    with pytest.raises(SystemExit):
+        entry.main()
+    assert checked == ([args] if engine else [])
+
+
+def test_the_entry_points_flags_are_the_commands_own():
+    """The options that take no value, per command the entry point reads before click (kvaudit.app.interrupts
+    ``_FLAGS``), are click's flags of that command, and every short option but -h takes one value."""
+    import click
+
+    from kvaudit.app.interrupts import _FLAGS
+    from kvaudit.cli import main
+
+    assert set(_FLAGS) == set(entry.HEAVY)
+    for name in entry.HEAVY:
+        params = [p for p in main.commands[name].params if isinstance(p, click.Option)]
+        flags = {o for p in params if p.is_flag or p.count or p._flag_needs_value for o in p.opts + p.secondary_opts}
+        assert flags == set(_FLAGS[name]), name
+        assert all(len(o) > 2 or p.nargs == 1 for p in params for o in p.opts if not o.startswith("--")), name

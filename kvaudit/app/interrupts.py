@@ -95,9 +95,11 @@ def catch_sigint() -> None:
         quiet_unraisable()
 
 
-# the reports each command writes when interrupted during start-up, and its options that take no value
-_STARTUP_REPORTS = {"ci": (("--junit", "--sarif", "--json", "--html"), ()),
-                    "fuzz": (("--junit", "--sarif", "--json", "--html"), ("--seeds", "--no-seeds", "--paranoid"))}
+# the reports each command writes when interrupted during start-up
+_STARTUP_REPORTS = {"ci": ("--junit", "--sarif", "--json", "--html"), "fuzz": ("--junit", "--sarif", "--json", "--html")}
+# the options that take no value (click's flags) of each command the entry point starts the engine for (entry.HEAVY)
+_FLAGS = {"fuzz": ("--seeds", "--no-seeds", "--paranoid"), "ci": (), "replay": ("--check-determinism", "--update",
+          "--paranoid"), "minimize": (), "bench": ("--list",), "report": ()}
 # stdout's last lines for a run interrupted during start-up: the job's own for one interrupted with nothing found
 # (kvaudit.reports.report.summary_line, new_findings_line for a campaign and ci; ci's verdict, kvaudit.app.ci)
 _NO_FINDINGS = "SUMMARY: kvaudit: no findings (interrupted)."
@@ -106,12 +108,19 @@ _CI_VERDICT = "INTERRUPTED: 0/0 regressions ok, 0 new finding(s)"
 
 
 def _startup_options(argv: list[str]) -> dict[str, str] | None:
-    """``{"--junit": VALUE, ...}``: the options ``argv`` (no program name) gives ``kvaudit ci`` or ``kvaudit fuzz``,
-    read as click reads them (every option but the command's flags takes a value; the last one given wins);
-    None for another command or ``--help`` (where an option is read: ``--out --help`` names a directory)."""
-    if not argv or argv[0] not in _STARTUP_REPORTS:
+    """``{"--junit": VALUE, ...}``: the options ``argv`` (no program name) gives ``kvaudit ci`` or ``kvaudit fuzz``
+    (:func:`_options`); None for another command or ``--help``."""
+    return _options(argv) if argv and argv[0] in _STARTUP_REPORTS else None
+
+
+def _options(argv: list[str]) -> dict[str, str] | None:
+    """``{"--out": VALUE, ...}``: the long options ``argv`` (no program name) gives a command of :data:`_FLAGS`,
+    read as click reads them (every option but the command's flags takes a value, a short one's either joined to
+    it or the next argument; the last one given wins); None for ``--help`` or ``-h`` (where an option is read:
+    ``--out --help`` names a directory) or another command."""
+    if not argv or argv[0] not in _FLAGS:
         return None
-    flags = _STARTUP_REPORTS[argv[0]][1]
+    flags = _FLAGS[argv[0]]
     values: dict[str, str] = {}
     rest = iter(argv[1:])
     for arg in rest:
@@ -119,6 +128,8 @@ def _startup_options(argv: list[str]) -> dict[str, str] | None:
             break
         if arg in ("-h", "--help"):
             return None
+        if len(arg) == 2 and arg[0] == "-" and arg not in flags:  # (-o OUT: minimize's)
+            next(rest, None)
         if not arg.startswith("--") or arg in flags:
             continue
         name, eq, value = arg.partition("=")
@@ -129,12 +140,19 @@ def _startup_options(argv: list[str]) -> dict[str, str] | None:
     return values
 
 
+def asks_help(argv: list[str]) -> bool:
+    """Whether ``argv`` (no program name; its command one of :data:`_FLAGS`) asks for the command's help as click
+    reads it: ``fuzz --out --help`` does not (its --out is a directory named ``--help``). Standard library only:
+    the entry point asks before its start-up guard."""
+    return bool(argv) and argv[0] in _FLAGS and _options(argv) is None
+
+
 def startup_report_paths(argv: list[str]) -> dict[str, str]:
     """``{"junit": PATH, "sarif": PATH, "json": PATH, "html": PATH}`` that ``argv`` (no program name) asks
     ``kvaudit ci`` or ``kvaudit fuzz`` for, read as click reads it (every other option takes a value); empty for
     another command."""
     values = _startup_options(argv) or {}
-    return {name[2:]: value for name, value in values.items() if name in _STARTUP_REPORTS[argv[0]][0]}
+    return {name[2:]: value for name, value in values.items() if name in _STARTUP_REPORTS[argv[0]]}
 
 
 def startup_summary(argv: list[str]) -> list[str]:

@@ -70,6 +70,10 @@ class ReportData:
     extra: dict  # run facts (seed, executions, ...), shown in the HTML header and kept in the JSON
     suppressions: object | None = None  # a live SuppressionSet, for the HTML's rules table
     ran: tuple = ()  # every config the job ran (kvaudit ci: one per preset), for the HTML's header; (): ``config``
+    # a campaign's SARIF (as kvaudit ci's): the known findings still open, results beside the new ones, each
+    # result's baselineState "unchanged" for a signature in ``known``, else "new"; None: no baseline (not a campaign)
+    known_open: list[Finding] | None = None
+    known: frozenset[str] = frozenset()
 
     @classmethod
     def single(cls, config: TargetConfig, program: list[Op], findings: list[Finding], suppressed: dict[str, int],
@@ -112,9 +116,10 @@ def _sarif(data: ReportData) -> str:
     from kvaudit.reports.sarif import to_sarif
 
     unique: dict[str, Finding] = {}  # NOTE: one result per signature: code scanning tracks alerts by it
-    for f in data.findings:
+    for f in data.findings + (data.known_open or []):
         unique.setdefault(f.signature, f)
-    log = to_sarif(list(unique.values()), data.config, recorded=data.recorded)
+    baseline = None if data.known_open is None else {s: "unchanged" if s in data.known else "new" for s in unique}
+    log = to_sarif(list(unique.values()), data.config, baseline, recorded=data.recorded)
     search = search_facts(data.extra)
     if search:  # which search ran: the fuzzer's name and its --seed (the engine config's seed is engineConfig's)
         log["runs"][0].setdefault("properties", {})["search"] = search

@@ -29,10 +29,14 @@ class EutConfig(ConfigBase, EngineConfig):
 # at hicache_ratio 16: an out-of-memory crash, exit 70, instead of a bad-config line)
 MAX_HOST_SLOTS = 1 << 22  # a host tier's slots: at most the largest device pool (num_slots), 1 GiB of K and V
 MAX_ROW_TABLE = 1 << 24  # entries of the request-row table (req_to_token, int64: 128 MiB)
+# the tiny model's context: a forward of n new tokens over a context of m has heads x n x m attention scores (floats;
+# two heads, engine_under_test/model.py), n and m up to context_len: 8 GiB for one prefill at context_len 32768,
+# 128 MiB at this bound
+MAX_TINY_CONTEXT = 1 << 12
 
 
 def _check_tables(c: EngineConfig) -> None:
-    """Raises ``ValueError`` for a host tier or request-row table past its bound."""
+    """Raises ``ValueError`` for a host tier, request-row table or the tiny model's attention past its bound."""
     for on, ratio in (("enable_hicache", "hicache_ratio"), ("enable_hisparse", "hisparse_host_ratio")):
         if getattr(c, on) and c.num_slots * getattr(c, ratio) > MAX_HOST_SLOTS:
             raise ValueError(f"num_slots x {ratio} (the host pool, tokens) must be at most {MAX_HOST_SLOTS}, got "
@@ -42,6 +46,9 @@ def _check_tables(c: EngineConfig) -> None:
         what = "(max_req_rows + pd_pre_alloc_rows)" if c.is_pd_decode else "max_req_rows"
         raise ValueError(f"{what} x context_len (the request-row table, entries) must be at most {MAX_ROW_TABLE}, "
                          f"got {rows} x {c.context_len}")
+    if c.model == "tiny" and c.context_len > MAX_TINY_CONTEXT:
+        raise ValueError(f"context_len must be at most {MAX_TINY_CONTEXT} with model \"tiny\" (its attention scores, "
+                         f"heads x context_len x context_len floats), got {c.context_len}")
 
 
 def _preset(name: str, description: str, overrides: dict) -> Preset:
