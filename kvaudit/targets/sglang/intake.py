@@ -27,8 +27,7 @@ class SglangIntake(Target):
         self.waiting: list = []  # Scheduler.waiting_queue
         self.running: list = []  # Scheduler.running_batch.reqs
         self.submitted: list[str] = []
-        self.finished: set[str] = set()
-        self.requeued: set[str] = set()  # rids optimistic prefill released and requeued (PD prefill; crash_by)
+        self.finished, self.requeued = set(), set()  # requeued: rids optimistic PD prefill requeued (crash_by)
         self.sessions: list[str] = []  # open session ids, in opening order
         self.session_turns: dict[str, list[str]] = {}  # session id -> its turns' rids (SessionParams.rid)
         self._n = self._opened = self._flushes = 0
