@@ -12,7 +12,7 @@ from cli_helpers import invoke, one_error_line
 
 from kvaudit import replay
 from kvaudit.audit import oracles
-from kvaudit.config import ConfigBase, Preset
+from kvaudit.config import ConfigBase, Preset, json_value
 from kvaudit.audit.hooks import Auditor
 from kvaudit.targets import config_from_dict, make_target, registry
 from kvaudit.targets.base import Accounting, PoolSpec, Root, Target, TargetFinding
@@ -864,6 +864,37 @@ def test_a_plugins_checked_reads_pass_what_the_oracles_take():
     check_reads_always(target, "lenient")
     assert [f.message for f in target.invariant_findings()] == ["none", "two"]
     assert target.progress() == {"r1": 3} and target.reach() == {"admitted": 2} and target.is_idle()
+
+
+@pytest.mark.parametrize("said", [None, 3, "req:retried"])
+def test_a_plugins_crash_by_must_return_a_string_or_its_crash_file_could_not_be_replayed(said):
+    """A plugin's ``crash_by`` returning None (or any non-string) was recorded as the crash finding's ``check``
+    (``"check": null``), and the file fuzz wrote was refused by replay (``bad findings: check: want a string,
+    got null``, exit 2): check_reads_always checks it as it checks the other reads, naming the method."""
+    from types import SimpleNamespace
+
+    from kvaudit.audit.findings import Finding
+    from kvaudit.audit.oracles.outcome import crash
+    from kvaudit.targets.base import check_reads_always
+
+    class Says(rowtoy_plugin.RowToyTarget):
+        def crash_by(self, exc):
+            return said
+
+    target = Says(rowtoy_plugin.PRESETS["rowtoy"].config())
+    check_reads_always(target, "says")
+    try:
+        raise KeyError("r9")
+    except KeyError as e:
+        exc = e
+    run = SimpleNamespace(target=target, auditor=None, ops_run=1)
+    if not isinstance(said, str):
+        with pytest.raises(registry.TargetDefinitionError, match=re.escape(
+                f"target says: Says.crash_by(KeyError('r9')) must return a string, got {json_value(said)}")):
+            crash(run, exc)
+        return
+    [f] = crash(run, exc)
+    assert f.signature.endswith("/req:retried") and Finding.from_dict(f.to_dict()).signature == f.signature
 
 
 class _Unbuildable(rowtoy_plugin.RowToyTarget):
