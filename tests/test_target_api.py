@@ -224,6 +224,11 @@ def test_a_kvaudit_plugins_of_huge_names_or_thousands_of_modules_is_a_short_line
     assert r.exit_code == 2, r.output[-500:]
     line = one_error_line(r)
     assert line.startswith('kvaudit: error: cannot import "') and line.endswith(tail) and len(line) < 2000, len(line)
+    # tb64: an unknown --target named every module that did not import (a 186 KB line for 2,000)
+    r = invoke("fuzz", "--target", "foo", "--max-time", "0.1")
+    assert r.exit_code == 2, r.output[-500:]
+    line = one_error_line(r)
+    assert 'unknown target "foo"' in line and f"{tail})" in line and len(line) < 2000, len(line)
 
 
 @pytest.mark.parametrize("command", [["presets"], ["bugs", "--target", "eut"]])
