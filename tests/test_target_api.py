@@ -902,6 +902,23 @@ def test_a_plugins_crash_by_must_return_a_string_or_its_crash_file_could_not_be_
     assert f.signature.endswith("/req:retried") and Finding.from_dict(f.to_dict()).signature == f.signature
 
 
+def test_a_long_signature_s_replay_file_has_a_name_the_file_system_takes(tmp_path):
+    """A plugin's crash_by of 300 characters made a signature whose file name the file system refused: fuzz
+    found the crash and ended 'cannot write .../crash_-_..._yyyy...json: File name too long' (exit 2), the
+    finding lost. A name past replay.MAX_STEM is cut, with a hash of the signature; short names are as before."""
+    config = rowtoy_plugin.PRESETS["rowtoy"].config()
+    short = "crash/-/KeyError@free@engine.py"
+    assert replay.file_name(short) == "crash_-_KeyError_free_engine.py.json"
+    names = set()
+    for tail in ("y" * 300, "y" * 299 + "z"):
+        sig = f"{short}/{tail}"
+        path, has_it = replay.home(str(tmp_path), sig, "rowtoy")
+        replay.write_atomic(path, replay.to_doc(config, [], []))  # (OSError: File name too long, before)
+        assert not has_it and len(os.path.basename(path)) <= 200
+        names.add(os.path.basename(path))
+    assert len(names) == 2  # (two signatures that differ past the cut: two names)
+
+
 class _Unbuildable(rowtoy_plugin.RowToyTarget):
     built = 0
 
