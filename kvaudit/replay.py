@@ -124,8 +124,19 @@ def rerecord(path: str, findings: list[Finding], timeline: Callable | None = Non
     return f"updated: {len(findings)} finding(s) re-recorded{changed}"
 
 
+MAX_STEM = 160  # a replay file name's stem: room left for ci's ".<preset>", home's ".<n>", ".json" (255 bytes)
+
+
 def file_name(signature: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", signature).strip("_") + ".json"
+    """The replay file name of ``signature``: its characters outside ``[A-Za-z0-9_.-]`` made ``_``; past
+    :data:`MAX_STEM` characters cut, with 10 hex digits of the signature's SHA-1 (a plugin's long signature made
+    a name the file system refuses: the finding was not written)."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", signature).strip("_")
+    if len(stem) > MAX_STEM:
+        import hashlib
+
+        stem = stem[:MAX_STEM - 11] + "_" + hashlib.sha1(signature.encode()).hexdigest()[:10]
+    return stem + ".json"
 
 
 def target_name(config) -> str:

@@ -839,3 +839,11 @@ def test_a_bad_fleet_ttl_is_refused_before_redis_is_reached(monkeypatch, tmp_pat
     assert hubs.fleet_ttl() == 2.5
     monkeypatch.delenv(hubs.TTL_ENV)
     assert hubs.fleet_ttl() == hubs.DEFAULT_TTL
+
+
+def test_a_campaign_without_db_ignores_the_fleet_ttl_it_does_not_use(monkeypatch, tmp_path):
+    """tb64: with no --db a campaign (--corpus) read KVAUDIT_FLEET_TTL all the same, and a bad one was 'kvaudit:
+    internal error: ValueError: KVAUDIT_FLEET_TTL="abc": ...' (exit 70) though no claim or heartbeat is kept."""
+    monkeypatch.setenv("KVAUDIT_FLEET_TTL", "abc")
+    res = invoke("fuzz", "--max-time", "1", "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"))
+    assert res.exit_code == 0, res.output

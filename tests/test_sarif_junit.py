@@ -189,6 +189,23 @@ def test_a_ci_sarif_over_several_presets_describes_them_all(tmp_path, validator)
     assert ci.sarif(result, c1, (c1,)) == first  # one preset: the preset's properties, as before
 
 
+def test_a_sarif_run_s_page_size_is_its_configs_also_where_to_dict_has_none(validator):
+    """vLLM's page size is its ``block_size`` (a property ``to_dict()`` leaves out): the run's properties said
+    ``"page_size": null`` for one vLLM preset, and ``ci --target vllm --presets vllm,vllm-small`` (16 and 4
+    tokens) kept ``"page_size": null`` as the one page size every preset has. Now a preset's own, and none
+    for presets whose page sizes differ."""
+    from kvaudit.search import ci
+
+    kind = registry.get("vllm")
+    big, big_async, small = (kind.preset(p).config() for p in ("vllm", "vllm-async", "vllm-small"))
+    assert (big.page_size, big_async.page_size, small.page_size) == (16, 16, 4)
+    assert to_sarif([], small)["runs"][0]["properties"]["page_size"] == 4
+    for ran, want in (((big, small), "absent"), ((big, big_async), 16)):
+        log = ci.sarif(ci.CiResult(fuzz=[ci.FuzzRun(c.preset, 1.0, 1) for c in ran]), ran[0], ran)
+        assert _errors(validator, log) == []
+        assert log["runs"][0]["properties"].get("page_size", "absent") == want, ran
+
+
 def test_an_interrupted_fuzz_run_s_sarif_says_its_run_did_not_complete(validator, tmp_path, monkeypatch):
     """`fuzz` interrupted (a campaign here, stopped after its workers started): the SARIF had no `invocations`,
     so a clean-looking log with no results read as a clean run's (first tester, stop 55; the docs promised it

@@ -12,7 +12,7 @@ from cli_helpers import invoke, one_error_line
 
 from kvaudit import replay
 from kvaudit.audit import oracles
-from kvaudit.config import ConfigBase, Preset
+from kvaudit.config import ConfigBase, Preset, json_value
 from kvaudit.audit.hooks import Auditor
 from kvaudit.targets import config_from_dict, make_target, registry
 from kvaudit.targets.base import Accounting, PoolSpec, Root, Target, TargetFinding
@@ -224,6 +224,11 @@ def test_a_kvaudit_plugins_of_huge_names_or_thousands_of_modules_is_a_short_line
     assert r.exit_code == 2, r.output[-500:]
     line = one_error_line(r)
     assert line.startswith('kvaudit: error: cannot import "') and line.endswith(tail) and len(line) < 2000, len(line)
+    # tb64: an unknown --target named every module that did not import (a 186 KB line for 2,000)
+    r = invoke("fuzz", "--target", "foo", "--max-time", "0.1")
+    assert r.exit_code == 2, r.output[-500:]
+    line = one_error_line(r)
+    assert 'unknown target "foo"' in line and f"{tail})" in line and len(line) < 2000, len(line)
 
 
 @pytest.mark.parametrize("command", [["presets"], ["bugs", "--target", "eut"]])
@@ -864,6 +869,54 @@ def test_a_plugins_checked_reads_pass_what_the_oracles_take():
     check_reads_always(target, "lenient")
     assert [f.message for f in target.invariant_findings()] == ["none", "two"]
     assert target.progress() == {"r1": 3} and target.reach() == {"admitted": 2} and target.is_idle()
+
+
+@pytest.mark.parametrize("said", [None, 3, "req:retried"])
+def test_a_plugins_crash_by_must_return_a_string_or_its_crash_file_could_not_be_replayed(said):
+    """A plugin's ``crash_by`` returning None (or any non-string) was recorded as the crash finding's ``check``
+    (``"check": null``), and the file fuzz wrote was refused by replay (``bad findings: check: want a string,
+    got null``, exit 2): check_reads_always checks it as it checks the other reads, naming the method."""
+    from types import SimpleNamespace
+
+    from kvaudit.audit.findings import Finding
+    from kvaudit.audit.oracles.outcome import crash
+    from kvaudit.targets.base import check_reads_always
+
+    class Says(rowtoy_plugin.RowToyTarget):
+        def crash_by(self, exc):
+            return said
+
+    target = Says(rowtoy_plugin.PRESETS["rowtoy"].config())
+    check_reads_always(target, "says")
+    try:
+        raise KeyError("r9")
+    except KeyError as e:
+        exc = e
+    run = SimpleNamespace(target=target, auditor=None, ops_run=1)
+    if not isinstance(said, str):
+        with pytest.raises(registry.TargetDefinitionError, match=re.escape(
+                f"target says: Says.crash_by(KeyError('r9')) must return a string, got {json_value(said)}")):
+            crash(run, exc)
+        return
+    [f] = crash(run, exc)
+    assert f.signature.endswith("/req:retried") and Finding.from_dict(f.to_dict()).signature == f.signature
+
+
+def test_a_long_signature_s_replay_file_has_a_name_the_file_system_takes(tmp_path):
+    """A plugin's crash_by of 300 characters made a signature whose file name the file system refused: fuzz
+    found the crash and ended 'cannot write .../crash_-_..._yyyy...json: File name too long' (exit 2), the
+    finding lost. A name past replay.MAX_STEM is cut, with a hash of the signature; short names are as before."""
+    config = rowtoy_plugin.PRESETS["rowtoy"].config()
+    short = "crash/-/KeyError@free@engine.py"
+    assert replay.file_name(short) == "crash_-_KeyError_free_engine.py.json"
+    names = set()
+    for tail in ("y" * 300, "y" * 299 + "z"):
+        sig = f"{short}/{tail}"
+        path, has_it = replay.home(str(tmp_path), sig, "rowtoy")
+        replay.write_atomic(path, replay.to_doc(config, [], []))  # (OSError: File name too long, before)
+        assert not has_it and len(os.path.basename(path)) <= 200
+        names.add(os.path.basename(path))
+    assert len(names) == 2  # (two signatures that differ past the cut: two names)
 
 
 class _Unbuildable(rowtoy_plugin.RowToyTarget):

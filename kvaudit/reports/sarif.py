@@ -485,7 +485,9 @@ def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] |
         run["originalUriBaseIds"] = {engine_base_id(engine.package): {"description": {"text": where}}}
     if config is not None:
         d = config.to_dict()
+        # (page_size: the config's, a field or (vLLM's block_size, a plugin's) a property to_dict() leaves out)
         run["properties"] = {"preset": getattr(config, "preset", d.get("preset")), "bugs": sorted(d.get("bugs", [])),
-                             "model": d.get("model"), "page_size": d.get("page_size"), "engineConfig": d,
+                             "model": d.get("model"), "page_size": getattr(config, "page_size", None),
+                             "engineConfig": d,
                              **_engine_props(engine)}
     return sarif_log(rule_list, results, **run)

@@ -716,10 +716,10 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     URL that makes the workers part of campaign ``campaign`` across hosts (``ttl``: seconds a claim or heartbeat
     lives unrenewed, default $KVAUDIT_FLEET_TTL or 30); ``fleet``: the findings pulled from it during this run.
     Raises OSError if ``corpus`` cannot be written."""
-    if ttl is None:
-        from kvaudit.search.hub import fleet_ttl
+    if ttl is None:  # (read only for a fleet: a local campaign holds no claims, a bad value is no error there)
+        from kvaudit.search.hub import DEFAULT_TTL, fleet_ttl
 
-        ttl = fleet_ttl()
+        ttl = fleet_ttl() if db is not None else DEFAULT_TTL
     os.makedirs(findings_dir(corpus), exist_ok=True)
     fleet, target = None, replay.target_name(config)
     if db is not None:  # the fleet's findings are known before the first program runs (those its kind lacks)

@@ -266,7 +266,8 @@ def _presets_properties(props: dict, ran: tuple) -> None:
     configs = {c.preset: c.to_dict() for c in ran}
     for key in ("preset", "engineConfig", "bugs", "model", "page_size"):
         props.pop(key, None)
-    values = {k: [d.get(k) for d in configs.values()] for k in ("model", "page_size")}
+    # (read from the configs: vLLM's page_size is its block_size, a property to_dict() leaves out)
+    values = {k: [getattr(c, k, None) for c in {c.preset: c for c in ran}.values()] for k in ("model", "page_size")}
     props.update({"presets": list(configs), "bugs": sorted({b for d in configs.values() for b in d.get("bugs", [])}),
                   **{k: v[0] for k, v in values.items() if v.count(v[0]) == len(v)}, "engineConfigs": configs})
 

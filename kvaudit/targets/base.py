@@ -565,6 +565,7 @@ def _read_rules(pools: dict) -> dict:
         "reach": (by_name, "{name: int}"),
         "describe_busy": (lambda v: isinstance(v, str), "a string"),
         "stuck": (lambda v: isinstance(v, str), "a string"),
+        "crash_by": (lambda v: isinstance(v, str), "a string"),  # (the finding's check: a replay file reads a string)
     }
 
 
@@ -600,7 +601,7 @@ def check_reads_always(target, kind: str) -> None:
         def read_checked(*args):
             got = call(*args)
             if not fits(got):
-                spelled = ", ".join(json_value(a) for a in args)
+                spelled = ", ".join(json_value(a, 80) for a in args)  # (crash_by's: an exception, its message long)
                 raise TargetDefinitionError(f"target {kind}: {name}.{method}({spelled}) must return {what}, "
                                             f"got {json_value(got, 80)}")
             return got

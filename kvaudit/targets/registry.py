@@ -442,9 +442,14 @@ def check_plugins() -> None:
     each that did not (a misspelled module is the user's input, not a missing target to shrug at).
     Loads the registry first."""
     _load()
-    if _plugin_errors:  # (the first three: a list of thousands is no line)
-        more = f"; and {len(_plugin_errors) - 3} more" if len(_plugin_errors) > 3 else ""
-        raise PluginError("; ".join(_plugin_errors[:3]) + more)
+    if _plugin_errors:
+        raise PluginError(_first_errors(_plugin_errors))
+
+
+def _first_errors(errors: list[str]) -> str:
+    """``errors`` on one line: the first three, then how many more (a list of thousands is no line)."""
+    more = f"; and {len(errors) - 3} more" if len(errors) > 3 else ""
+    return "; ".join(errors[:3]) + more
 
 
 BUILTIN_KINDS = ("eut", "sglang", "vllm")
@@ -463,7 +468,7 @@ def get(name: str) -> TargetKind:
     """The kind called ``name``. Raises :class:`UnknownTargetError` naming the valid ones."""
     _load()
     if name not in _KINDS:
-        why = "; ".join(plugin_errors()) or (f"a target from a plugin needs {PLUGINS_ENV}=<module> or an installed "
+        why = _first_errors(plugin_errors()) or (f"a target from a plugin needs {PLUGINS_ENV}=<module> or an installed "
                                             f"{json_value(ENTRY_POINT_GROUP)} entry point")
         raise UnknownTargetError(f"unknown target {json_value(name)} (valid: {', '.join(_KINDS)}; {why})")
     return _KINDS[name]
