@@ -337,7 +337,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     finally:
         ignore_interrupts(clear=True)  # the summary and reports are written whole
     cases, paths = _campaign_cases(result, config, console, err)
-    known_open = _still_open(result, suppress_file, sset) if outputs.sarif else None
+    known = {**result.fleet, **result.known}  # signature -> the file that knows it (another host's, the corpus's)
+    known_open = _still_open(result, known, suppress_file, sset) if outputs.sarif else None
     for w in result.warnings:
         err.print(f"warning: {w}", soft_wrap=True)
     if result.new or result.known or result.flaky or result.fleet or result.unwritten:
@@ -367,8 +368,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     try:
         kept += tuple(write_reports(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset),
                                                         extra, suppressions=sset if s.executions else None,
-                                                        known_open=known_open, known=frozenset({**result.fleet,
-                                                                                                **result.known})),
+                                                        known_open=known_open, known=frozenset(known)),
                                     err, kept=kept))
     except click.ClickException as e:
         if result.not_written is None:
@@ -384,8 +384,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
 
 
-def _still_open(result, suppress_file, sset) -> list:
-    """For a campaign's SARIF, as ``kvaudit ci``'s: its known findings (the corpus's, another host's) whose file
+def _still_open(result, known: dict[str, str], suppress_file, sset) -> list:
+    """For a campaign's SARIF, as ``kvaudit ci``'s: the findings of ``known`` (signature -> its file) whose file
     still reproduces them, replayed once each (none when interrupted: no time for replays); a rule of ``sset``
     that left one out is in use."""
     from kvaudit.search.ci import still_open
@@ -393,10 +393,10 @@ def _still_open(result, suppress_file, sset) -> list:
     if result.interrupted:
         return []
     usage: list = []
-    known = still_open({**result.fleet, **result.known}, suppress_file, usage)
+    still = still_open(known, suppress_file, usage)
     if sset is not None:
         sset.add_usage(usage)
-    return known
+    return still
 
 
 def _campaign_summary(result, cases: list[Case], paths: list[str], sset) -> str:

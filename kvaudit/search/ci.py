@@ -263,11 +263,12 @@ def _presets_properties(props: dict, ran: tuple) -> None:
     lists them in run order, ``bugs`` is every bug any of them switches on, ``engineConfigs`` maps each to its
     config; ``model`` and ``page_size`` stay where every preset has the same, and ``preset`` and ``engineConfig``
     go (each result's ``properties.preset`` names its own)."""
-    configs = {c.preset: c.to_dict() for c in ran}
+    by_preset = {c.preset: c for c in ran}
+    configs = {p: c.to_dict() for p, c in by_preset.items()}
     for key in ("preset", "engineConfig", "bugs", "model", "page_size"):
         props.pop(key, None)
     # (read from the configs: vLLM's page_size is its block_size, a property to_dict() leaves out)
-    values = {k: [getattr(c, k, None) for c in {c.preset: c for c in ran}.values()] for k in ("model", "page_size")}
+    values = {k: [getattr(c, k, None) for c in by_preset.values()] for k in ("model", "page_size")}
     props.update({"presets": list(configs), "bugs": sorted({b for d in configs.values() for b in d.get("bugs", [])}),
                   **{k: v[0] for k, v in values.items() if v.count(v[0]) == len(v)}, "engineConfigs": configs})
 

@@ -77,7 +77,6 @@ return 0
 """
 
 
-
 def fleet_ttl() -> float:
     """Seconds a claim or heartbeat lives unrenewed: ``$KVAUDIT_FLEET_TTL``, else :data:`DEFAULT_TTL`. Raises
     ``ValueError`` (one line) for a value that is not a number of seconds in ``(0, MAX_TTL]``."""
