@@ -134,7 +134,10 @@ def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
         here = kind.regressions
         regressions_dir = here if os.path.isdir(here) else data_path(*here.split("/"))
     if regressions_dir is not None and not os.path.isdir(regressions_dir):
-        raise InputError(f"--regressions {regressions_dir}: no such directory")
+        # (click refuses a file itself; ``FILE/`` reaches here)
+        what = ("a file, not a folder: it takes a folder of replay files (*.json)"
+                if os.path.exists(regressions_dir.rstrip(os.sep) or os.sep) else "no such directory")
+        raise InputError(f"--regressions {regressions_dir}: {what}")
     return regressions_dir
 
 
