@@ -355,6 +355,7 @@ def test_ci_html_of_a_job_failed_by_its_regressions_alone_says_failed(tmp_path):
     assert "<title>kvaudit report: default, FAILED</title>" in page
     assert re.search(r'<p class="verdict bad">FAILED: 1 of 1 regression file\(s\): broken \(malformed: ', page)
     assert "No findings." not in page and "verdict good" not in page
+    assert page.count("broken (malformed: ") == 1, page  # (the verdict says it; the header line did too)
     assert json.load(open(tmp_path / "ci.json"))["regressions_failed"].startswith("1 of 1 regression file(s): broken")
 
 
