@@ -54,7 +54,8 @@ def render(config, program, findings, width=100, terminal=True, **kw) -> str:
 def as_recorded(monkeypatch):
     """Frames rendered as recorded, not checked against the current source (tests/test_frames.py
     does that), so that the snapshots do not move when engine code moves."""
-    monkeypatch.setattr("kvaudit.reports.report.resolve", lambda s, engine=None: Frame(s.line, s.source))
+    for where in ("report", "sarif"):  # (the frame lines, and the ERROR line naming one: sarif.current_summary)
+        monkeypatch.setattr(f"kvaudit.reports.{where}.resolve", lambda s, engine=None: Frame(s.line, s.source))
 
 
 @pytest.mark.parametrize("kind", list(SNAPSHOT_CASES))
