@@ -22,7 +22,7 @@ from kvaudit.app.configs import (FuzzerChoice, TargetChoice, bugs_renderables, c
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvaudit.app.files import check_outputs
 from kvaudit.app.interrupts import end_startup_interrupt, restoring_sigint
-from kvaudit.constants import CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT
+from kvaudit.constants import CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, WATCHDOG_IDLE_POLL
 from kvaudit.search import fuzzers
 from kvaudit.reports.outputs import FORMATS
 from kvaudit.targets.registry import TargetDefinitionError
@@ -172,6 +172,9 @@ _suppress_option = click.option(
 
 def _set_step_timeout(ctx, param, value):
     value = _seconds()(ctx, param, value)
+    if value is not None and value < WATCHDOG_IDLE_POLL:  # (1e-300 was taken: every step a hang, or none)
+        raise click.BadParameter(f"must be at least {WATCHDOG_IDLE_POLL:g} seconds (how often the watchdog looks for "
+                                 f"a step that started: a shorter limit cannot be kept), got {value:.15g}", param=param)
     if isinstance(ctx.obj, dict) and ctx.obj.get(CHECK_ONLY):
         return value  # parses(), or a command line it refused: the value checked, the runner (torch) not imported
     from kvaudit.audit.runner import set_step_timeout
@@ -184,7 +187,8 @@ _step_timeout_option = click.option(
     "--step-timeout", type=float, default=None, callback=_set_step_timeout,
     metavar="SECONDS",
     help=f"Watchdog: one engine step that runs longer is a hang finding naming the frames it is stuck in (the "
-         f"step is interrupted; a step blocked inside one C call cannot be). [default: {DEFAULT_STEP_TIMEOUT:g}; "
+         f"step is interrupted; a step blocked inside one C call cannot be); at least {WATCHDOG_IDLE_POLL:g}. "
+         f"[default: {DEFAULT_STEP_TIMEOUT:g}; "
          f"fuzz: min({DEFAULT_STEP_TIMEOUT:g}, --max-time / 6), at least 1]")
 
 

@@ -10,6 +10,9 @@ CAMPAIGN_FUZZER = "corpus"  # --corpus, --workers > 1, --db; kvaudit ci (a campa
 MINIMIZE_GRACE = 5.0  # kvaudit.search.campaign: seconds a finding's minimization may always take (past the budget)
 CONFIRM_RUNS = 3  # kvaudit.search.fuzz: replays that must all reproduce a finding before it is reported
 DEFAULT_STEP_TIMEOUT = 10.0  # kvaudit.audit.runner: seconds an engine step may take before the watchdog calls a hang
+# kvaudit.audit.runner: how often the watchdog looks for an armed step while none is (a step it has not seen yet
+# can run this long): the least --step-timeout it honours
+WATCHDOG_IDLE_POLL = 0.2
 EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: a program kvaudit needs (atheris) is not installed here
 MISSING_ATHERIS = ("atheris is not installed here ('pip install atheris': it has wheels for Linux x86-64 only; "
                    "elsewhere it builds from source and needs clang with libFuzzer, "

@@ -459,6 +459,35 @@ def test_a_file_with_two_new_signatures_is_reported_once_and_summed_over_new_one
     assert lines[-1].endswith("; 1 known signature(s) not reported again.") == known
 
 
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_ci_summary_counts_its_known_signatures_as_a_campaigns_does(tmp_path, monkeypatch, elsewhere):
+    """ci's SUMMARY line said "no new findings." where a campaign's over the same corpus says "; N known
+    signature(s) not reported again": it counts the distinct known signatures of every preset now (one both
+    presets know counts once), leaving out one another preset reported as new."""
+    import kvaudit.search.campaign as campaign
+    import kvaudit.search.ci as search_ci
+
+    path = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions", "session-close-while-running.json")
+    sig = sorted({f.signature for f in replay.load(path)[2]})[0]
+
+    def fake_run(config, *a, **k):
+        new = elsewhere and config.preset == "chunked"
+        return campaign.CampaignResult(new={sig: path} if new else {}, known={} if new else {sig: path},
+                                       stats=FuzzStats(executions=3, ops=9))
+
+    monkeypatch.setattr(campaign, "run_campaign", fake_run)
+    monkeypatch.setattr(search_ci, "still_open", lambda *a, **k: [])  # (no replay of the known file)
+    (tmp_path / "reg").mkdir()
+    r = invoke("ci", "--presets", "default,chunked", "--max-time", "2", "--regressions", str(tmp_path / "reg"),
+               "--out", str(tmp_path / "out"))
+    assert r.exit_code == (1 if elsewhere else 0), r.output
+    (line,) = summary_lines(r.stdout)
+    if elsewhere:  # (reported as new by chunked: not "not reported again")
+        assert line.startswith("SUMMARY: kvaudit: 1 finding(s) (1 use-after-free)") and "known" not in line, line
+    else:
+        assert line == "SUMMARY: kvaudit: no new findings; 1 known signature(s) not reported again.", line
+
+
 def summary_lines(output: str) -> list[str]:
     return [ln for ln in output.splitlines() if ln.startswith("SUMMARY:")]
 

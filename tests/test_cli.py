@@ -1006,6 +1006,18 @@ def test_ci_with_max_time_0_replays_the_regressions_without_reaching_db(tmp_path
         assert bad.exit_code == 2 and why in bad.stderr, bad.output + bad.stderr
 
 
+def test_ci_regressions_given_a_file_says_it_is_a_file_not_no_such_directory(tmp_path):
+    """--regressions takes a folder (docs/guides/ci.md): a replay file given there, with or without a trailing
+    slash, is refused in one line that says it is a file (exit 2), not as a folder that does not exist."""
+    path = os.path.join(ROOT, "corpora", "regressions", "session-close-while-running.json")
+    for given in (path, path + os.sep):
+        r = invoke("ci", "--max-time", "0", "--regressions", given, "--out", str(tmp_path / "o"))
+        line = one_error_line(r)
+        assert r.exit_code == 2 and "a file" in line and "no such directory" not in line, line
+    missing = invoke("ci", "--max-time", "0", "--regressions", str(tmp_path / "none"))
+    assert missing.exit_code == 2 and one_error_line(missing).endswith(": no such directory")
+
+
 def test_ci_over_a_kind_without_regressions_says_so_in_words(tmp_path, fresh_registry):
     """It said 'kvaudit ci: 0 regression file(s) in (none for this target)'."""
     import rowtoy_plugin  # (registers the kind "rowtoy", which ships no regressions, when first imported)

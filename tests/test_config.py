@@ -187,6 +187,27 @@ def test_a_built_in_engine_config_whose_tables_take_gbs_is_refused(config, said)
     config_from_dict({"target": "eut", **config, "num_slots": 1 << 10, "context_len": 1 << 10})  # (these pass)
 
 
+@pytest.mark.parametrize("on, ratio", [({"enable_hicache": True}, "hicache_ratio"),
+                                       ({"enable_hisparse": True, "disable_radix_cache": True}, "hisparse_host_ratio")])
+def test_a_host_pool_is_bounded_by_the_whole_pages_the_engine_allocates(on, ratio):
+    """The host pool's bound multiplied num_slots, but the engine sizes a host pool from the device pool's whole
+    pages (EngineConfig.total_tokens x the ratio, engine_under_test/scheduler.py): 262159 slots of 16-token pages
+    are 262144 tokens, 4194304 host slots at ratio 16, the bound itself, yet the config was refused."""
+    from engine_under_test.scheduler import Scheduler
+
+    config = {"target": "eut", **on, "page_size": 16, ratio: 16}
+    small = config_from_dict({**config, "num_slots": 16 * 4 + 15, "model": "none"})  # (what the engine builds)
+    pool = Scheduler(small).hicache_host_pool if ratio == "hicache_ratio" else \
+        Scheduler(small).hisparse_coordinator.host_pool
+    assert pool.size == small.total_tokens * 16 == 64 * 16
+    fits = config_from_dict({**config, "num_slots": (1 << 18) + 15})
+    assert fits.total_tokens * getattr(fits, ratio) == 1 << 22  # (what the engine's host pool holds)
+    with pytest.raises(ValueError) as e:
+        config_from_dict({**config, "num_slots": (1 << 18) + 16 + 5})
+    assert str(e.value) == (f"num_slots x {ratio} (the host pool, tokens) must be at most 4194304, got "
+                            f"262160 (262165 in whole pages of 16) x 16")
+
+
 def test_a_replay_file_whose_tiny_model_takes_gbs_is_refused_in_one_line(tmp_path):
     """ts64: `--model tiny` builds heads x n x n attention scores for a prefill of n tokens: a replay file's config at
     context_len 32768 (every field in its range) allocated about 8 GiB per forward. Refused when the file is read

@@ -275,6 +275,25 @@ def test_a_bad_step_timeout_is_a_one_line_usage_error(value):
     assert "--step-timeout" in one_error_line(res)
 
 
+@pytest.mark.parametrize("command", ["fuzz", "replay", "ci", "minimize"])
+def test_a_step_timeout_below_the_watchdogs_poll_is_refused(command, tmp_path):
+    """`--step-timeout 1e-300` was accepted, though the watchdog looks for a step that started only every 0.2 s
+    while none is armed (a shorter limit let a step run about 0.2 s, or made every step a hang): one line, exit 2,
+    naming the least it keeps; that least passes the option's check (the missing file is what is refused)."""
+    from cli_helpers import one_error_line
+
+    from kvaudit.constants import WATCHDOG_IDLE_POLL
+
+    missing = [str(tmp_path / "none.json")] if command in ("replay", "minimize") else []
+    for value in ("1e-300", "0.1"):
+        res = invoke(command, *missing, "--step-timeout", value)
+        line = one_error_line(res)
+        assert res.exit_code == 2 and "--step-timeout" in line and f"at least {WATCHDOG_IDLE_POLL:g} seconds" in line
+    if missing:
+        res = invoke(command, *missing, "--step-timeout", f"{WATCHDOG_IDLE_POLL:g}")
+        assert res.exit_code == 2 and "--step-timeout" not in one_error_line(res)
+
+
 def test_fuzz_step_timeout_defaults_to_a_fraction_of_the_budget(tmp_path):
     res = invoke("fuzz", "--max-time", "0.5", "--out", str(tmp_path))
     assert res.exit_code == 0 and "step timeout 1s" in res.stderr

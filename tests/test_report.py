@@ -54,7 +54,8 @@ def render(config, program, findings, width=100, terminal=True, **kw) -> str:
 def as_recorded(monkeypatch):
     """Frames rendered as recorded, not checked against the current source (tests/test_frames.py
     does that), so that the snapshots do not move when engine code moves."""
-    monkeypatch.setattr("kvaudit.reports.report.resolve", lambda s, engine=None: Frame(s.line, s.source))
+    for where in ("report", "sarif"):  # (the frame lines, and the ERROR line naming one: sarif.current_summary)
+        monkeypatch.setattr(f"kvaudit.reports.{where}.resolve", lambda s, engine=None: Frame(s.line, s.source))
 
 
 @pytest.mark.parametrize("kind", list(SNAPSHOT_CASES))
@@ -355,6 +356,7 @@ def test_ci_html_of_a_job_failed_by_its_regressions_alone_says_failed(tmp_path):
     assert "<title>kvaudit report: default, FAILED</title>" in page
     assert re.search(r'<p class="verdict bad">FAILED: 1 of 1 regression file\(s\): broken \(malformed: ', page)
     assert "No findings." not in page and "verdict good" not in page
+    assert page.count("broken (malformed: ") == 1, page  # (the verdict says it; the header line did too)
     assert json.load(open(tmp_path / "ci.json"))["regressions_failed"].startswith("1 of 1 regression file(s): broken")
 
 

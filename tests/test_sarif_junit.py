@@ -344,6 +344,38 @@ def test_recorded_source_line_becomes_the_region_snippet(validator):
     assert text in ET.fromstring(to_junit([f])).find(".//failure").text
 
 
+def test_a_moved_frame_is_named_at_its_current_line_in_every_summary(tmp_path):
+    """A frame recorded 40 lines off (the code moved since): SARIF's message named its current line, as the frame
+    lines of every report do, but the console's ERROR line, the JUnit failure message (fuzz's and ci's) and the
+    HTML's "First:" still named the recorded one (tr64)."""
+    import io
+
+    from rich.console import Console
+
+    from kvaudit.reports.html_report import render_html
+    from kvaudit.reports.outputs import Case
+    from kvaudit.reports.report import finding_renderable
+    from kvaudit.search import ci
+
+    line, text = _current("alloc_for_extend", "alloc_extend(")
+    site = Site("engine_under_test/scheduler.py", line + 40, "alloc_for_extend", source=text)
+    f = Finding(kind="leak", pool="token_to_kv_pool", message="unreachable", slots=[3], num_units=1,
+                alloc_sites=[site], op_index=0, step=1)
+    now, then = f"scheduler.py:{line} in alloc_for_extend", f"scheduler.py:{line + 40} in alloc_for_extend"
+    assert then in f.summary()
+    (r,) = to_sarif([f])["runs"][0]["results"]
+    assert now in r["message"]["text"] and then not in r["message"]["text"]  # (as it was)
+    buf = io.StringIO()
+    Console(file=buf, width=200, color_system=None).print(finding_renderable(f, None, plain=True), soft_wrap=True)
+    error = next(ln for ln in buf.getvalue().splitlines() if ln.startswith("==ERROR: kvaudit: "))
+    failures = [ET.fromstring(to_junit([f])).find(".//failure"),
+                ET.fromstring(ci.junit(ci.CiResult(fuzz=[ci.FuzzRun("default", 1.0, 1, new=[([], [f], "a.json")])])))
+                .find(".//failure")]
+    first = re.search(r"First: ([^<]*)</p>", render_html(EngineConfig(), [Case([], [f])]))[1]
+    for said in [error, first] + [x.get("message") for x in failures] + [x.text for x in failures]:
+        assert now in said and then not in said, said
+
+
 def test_a_stale_frame_is_not_the_location_a_current_one_is():
     """A frame whose function is gone from the current source (a file recorded on older code) would point at
     whatever that line holds now: the location is the next current frame (the tester, stop 49)."""

@@ -106,8 +106,12 @@ def _print_verdict(console, result, sset) -> None:
     unwritten = {sig: path for run in result.fuzz for sig, path in run.unwritten.items()}
     idle = [] if result.failed or result.interrupted else result.nothing_searched
     where = f"in {len(idle)} of {len(result.fuzz)} preset(s) ({', '.join(idle)})"
-    console.print(new_findings_line([findings for run in result.fuzz for _, findings, _ in run.new],
-                                    suppressed_by_kind(sset), result.interrupted, unwritten) if not idle else
+    runs = [findings for run in result.fuzz for _, findings, _ in run.new]
+    # (as a campaign's: the distinct known signatures no preset reported as new)
+    known = {sig for run in result.fuzz for sig in run.known} - {f.signature for fs in runs for f in fs}
+    known -= set(unwritten)
+    console.print(new_findings_line(runs, suppressed_by_kind(sset), result.interrupted, unwritten, len(known))
+                  if not idle else
                   NOTHING_SEARCHED_SUMMARY if len(idle) == len(result.fuzz) else
                   f"SUMMARY: kvaudit: nothing searched {where}: its share ended before the first program ran; "
                   "no new findings in the rest.", soft_wrap=True)
@@ -134,7 +138,10 @@ def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
         here = kind.regressions
         regressions_dir = here if os.path.isdir(here) else data_path(*here.split("/"))
     if regressions_dir is not None and not os.path.isdir(regressions_dir):
-        raise InputError(f"--regressions {regressions_dir}: no such directory")
+        # (click refuses a file itself; ``FILE/`` reaches here)
+        what = ("a file, not a folder: it takes a folder of replay files (*.json)"
+                if os.path.exists(regressions_dir.rstrip(os.sep) or os.sep) else "no such directory")
+        raise InputError(f"--regressions {regressions_dir}: {what}")
     return regressions_dir
 
 

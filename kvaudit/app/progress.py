@@ -154,11 +154,11 @@ class Progress:
 
     def update(self, s: FuzzStats, force: bool = False) -> None:
         """Show ``s``: on a terminal at once; off one when ``force``d, at a phase change or after ``interval``
-        seconds, but not before the first program ran (``executions=0`` says nothing the start-up line did
-        not), unless forced."""
+        seconds, but never before the first program ran, forced or not (``executions=0`` says nothing the
+        start-up line did not, and a run's end with none is its ``nothing searched`` lines)."""
         if self.live:
             self.live.update(self.renderable(s), refresh=True)
-        elif not force and not s.executions:
+        elif not s.executions:
             return
         elif force or s.phase != self._phase or time.monotonic() - self._last >= self.interval:
             self._last, self._phase = time.monotonic(), s.phase

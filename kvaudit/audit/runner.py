@@ -20,7 +20,7 @@ import numpy as np
 
 from kvaudit.config import TargetConfig
 from kvaudit.audit import oracles
-from kvaudit.constants import DEFAULT_STEP_TIMEOUT
+from kvaudit.constants import DEFAULT_STEP_TIMEOUT, WATCHDOG_IDLE_POLL
 from kvaudit.audit.findings import Finding
 from kvaudit.audit.kinds import lookup
 from kvaudit.audit.hooks import Auditor
@@ -123,7 +123,7 @@ class _Watchdog:
                 if at <= now:
                     self._send(tid, lambda: self._resend.get(tid) == at, now)  # not disarmed: still running
             nxt = min([e[0] for e in self._armed.values()] + list(self._resend.values()), default=None)
-            time.sleep(0.2 if nxt is None else min(0.02, max(0.0, nxt - time.monotonic())))
+            time.sleep(WATCHDOG_IDLE_POLL if nxt is None else min(0.02, max(0.0, nxt - time.monotonic())))
 
     def _send(self, tid: int, still_due: Callable[[], bool], now: float, entry: tuple | None = None) -> None:
         self._firing = tid

@@ -19,7 +19,7 @@ from kvaudit import __version__
 from kvaudit.audit.findings import Finding, report_order
 from kvaudit.program import format_op
 from kvaudit.reports.report import finding_renderable, summary_rows, suppressions_table
-from kvaudit.reports.sarif import engine_of
+from kvaudit.reports.sarif import current_summary, engine_of
 
 # one colour per identity term, in SERIES order; leaked is the one that should catch the eye
 COLOURS = {"available": "#cfd8dc", "evictable": "#81c784", "protected": "#4fc3f7", "session_held": "#ba68c8",
@@ -142,7 +142,7 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
             i = len(by_sig)
             by_sig[f.signature] = {
                 "title": f"finding {i + 1}: {f.kind}",
-                "summary": f.summary(),
+                "summary": current_summary(f, on(f)),
                 "signature": f.signature,
                 "duplicates": 0,
                 "preset": (case.config or config).preset,

@@ -14,7 +14,7 @@ from kvaudit.audit.findings import Finding, Site
 from kvaudit.audit.frames import RecordedEngine, resolve
 from kvaudit.audit.kinds import lookup
 from kvaudit.reports.ci_outputs import add_skipped, document
-from kvaudit.reports.sarif import engine_of, engine_verdict, finding_stacks, lifecycle
+from kvaudit.reports.sarif import current_summary, engine_of, engine_verdict, finding_stacks, lifecycle
 
 # NOTE: what XML 1.0 allows nowhere, even as a character reference
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
@@ -35,7 +35,7 @@ def failure_text(f: Finding, count: int = 1, engine: RecordedEngine | None = Non
     """The body of a finding's ``<failure>``: summary, signature, units, every stack (innermost first),
     lifecycle and the engine's verdict. ``count``: how many findings share the signature; ``engine``: the
     engine its frames are of (:func:`~kvaudit.audit.frames.resolve`)."""
-    lines = [f.summary(), f"signature: {f.signature}"]
+    lines = [current_summary(f, engine), f"signature: {f.signature}"]
     if count > 1:
         lines.append(f"found {count} times with this signature (details of the first)")
     lines.append(f"kind: {f.kind}, pool: {f.pool}")
@@ -87,7 +87,8 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
         first = group[0]
         case = ET.Element("testcase", classname=xml_text(f"kvaudit.{first.kind}"), name=xml_text(signature),
                           time=f"{seconds if found_after is None else found_after:.2f}")
-        failure = ET.SubElement(case, "failure", message=xml_text(first.summary()), type=xml_text(first.kind))
+        failure = ET.SubElement(case, "failure", message=xml_text(current_summary(first, on(first))),
+                                type=xml_text(first.kind))
         failure.text = xml_text(failure_text(first, len(group), on(first)))
         cases.append(case)
     if skipped is None and not findings and clean_case:

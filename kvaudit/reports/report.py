@@ -24,7 +24,7 @@ from kvaudit.audit.frames import RecordedEngine, resolve
 from kvaudit.audit.kinds import lookup
 from kvaudit.program import Op, format_op
 from kvaudit.audit.suppress import SuppressionSet
-from kvaudit.reports.sarif import engine_of, lifecycle_events, verdict_text
+from kvaudit.reports.sarif import current_summary, engine_of, lifecycle_events, verdict_text
 from kvaudit.targets.registry import kind_of
 
 
@@ -88,7 +88,7 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
     kvaudit:`` line (print it with ``soft_wrap=True``). Its stacks are its kind's ``console`` sections, their
     frames resolved for ``engine`` (:func:`~kvaudit.audit.frames.resolve`)."""
     parts: list = [
-        Text(f"==ERROR: kvaudit: {f.summary()}", style="bold red"),
+        Text(f"==ERROR: kvaudit: {current_summary(f, engine)}", style="bold red"),
         Text(f"signature: {f.signature}", style="yellow"),
         Text(f"detected after op #{f.op_index} at scheduler step {f.step}: {f.message}"),
     ]

@@ -227,6 +227,12 @@ def _current_lines(stacks: list, engine: RecordedEngine | None) -> Callable[[str
     return lambda text: pattern.sub(lambda m: moved[m[1]], text)
 
 
+def current_summary(f: Finding, engine: RecordedEngine | None = None) -> str:
+    """``f.summary()`` naming its frames at the lines the current source has them (:func:`_current_lines`), as
+    the frame lines a report prints beside it do."""
+    return _current_lines(_labelled_stacks(f), engine)(f.summary())
+
+
 def verdict_text(lines: list[str]) -> str:
     """An engine check's recorded lines (``Finding.engine_check``) as the text after ``engine
     check_memory():``: ``ok``, or ``FAILED: `` and the failing lines."""

@@ -20,6 +20,7 @@ from kvaudit.audit.findings import Finding
 from kvaudit.search.fuzz import CONFIRM_RUNS, FuzzStats
 from kvaudit.reports import ci_outputs
 from kvaudit.reports.junit import failure_text, xml_text
+from kvaudit.reports.sarif import current_summary
 from kvaudit.audit.runner import execute
 
 # a preset's JUnit case and the SARIF's invocation when its share ran no program (exit 5)
@@ -306,7 +307,7 @@ def junit(result: CiResult) -> str:
         for f, path in run.new_signatures().values():  # a case per new signature
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}", name=xml_text(f.signature),
                                  time=f"{run.found_after.get(f.signature, run.seconds):.2f}")
-            fail = ET.SubElement(case, "failure", message=xml_text(f.summary()), type=xml_text(f.kind))
+            fail = ET.SubElement(case, "failure", message=xml_text(current_summary(f)), type=xml_text(f.kind))
             lost = " (NOT WRITTEN: disk full)" if f.signature in run.unwritten else ""
             fail.text = xml_text(f"replay file: {path}{lost}\n" + failure_text(f))
         reported = set(run.new_signatures())

@@ -37,10 +37,13 @@ MAX_TINY_CONTEXT = 1 << 12
 
 def _check_tables(c: EngineConfig) -> None:
     """Raises ``ValueError`` for a host tier, request-row table or the tiny model's attention past its bound."""
+    # (the engine sizes a host pool from the device pool's whole pages, total_tokens: engine_under_test/scheduler.py)
+    slots = c.total_tokens if c.total_tokens == c.num_slots else \
+        f"{c.total_tokens} ({c.num_slots} in whole pages of {c.page_size})"
     for on, ratio in (("enable_hicache", "hicache_ratio"), ("enable_hisparse", "hisparse_host_ratio")):
-        if getattr(c, on) and c.num_slots * getattr(c, ratio) > MAX_HOST_SLOTS:
+        if getattr(c, on) and c.total_tokens * getattr(c, ratio) > MAX_HOST_SLOTS:
             raise ValueError(f"num_slots x {ratio} (the host pool, tokens) must be at most {MAX_HOST_SLOTS}, got "
-                             f"{c.num_slots} x {getattr(c, ratio)}")
+                             f"{slots} x {getattr(c, ratio)}")
     rows = c.max_req_rows + (c.pd_pre_alloc_rows if c.is_pd_decode else 0)
     if rows * c.context_len > MAX_ROW_TABLE:
         what = "(max_req_rows + pd_pre_alloc_rows)" if c.is_pd_decode else "max_req_rows"
