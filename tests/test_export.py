@@ -521,6 +521,28 @@ def test_without_the_target_handles_are_resolved_statically(tmp_path):
     assert "## How sure we are" in (tmp_path / "c.md").read_text()
 
 
+@pytest.mark.parametrize("kind,name", [("sglang", "crash-session-replace-without-rid"),
+                                       ("sglang", "hang-pd-prealloc-never-fits"), ("vllm", "own/vllm-46283")])
+def test_the_issue_says_how_a_server_gets_there_where_the_driver_differs_and_how_sure_we_are(tmp_path, kind, name):
+    """A finding in a real engine is a claim about that engine: its issue text carries the analysis's own
+    lines (corpora/<kind>/notes.toml): how a server reaches it from client requests (in "What happens"),
+    and where kvaudit's driver could differ on its path and how sure the analysis is (in "How sure we are"),
+    not only the lines every export has. Before, the notes' ``reach`` was printed by the history suite only."""
+    from kvaudit.history.notes import note_for
+    src = os.path.join(ROOT, "corpora", kind, name + ".json")
+    config, _, findings, _ = replay.load(src)
+    note = note_for(kind, [f.signature for f in findings], config.preset)
+    assert note is not None and note.reach and note.driver and note.sure
+    r = invoke("export", src, "--issue", str(tmp_path / "i.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output
+    issue = (tmp_path / "i.md").read_text()
+    happens = issue.split("## What happens\n")[1].split("\n## ")[0]
+    sure = issue.split("## How sure we are\n")[1]
+    assert f"How a server gets there from client requests: {note.reach}." in happens
+    assert f"- This finding: {note.sure}.\n" in sure
+    assert f"- Where kvaudit's driver could differ from a server on this path: {note.driver}.\n" in sure
+
+
 @pytest.mark.parametrize("bug", ["skip-release", "lock-leak"])
 def test_a_finding_of_a_planted_sglang_fault_is_exported_as_one_not_as_an_sglang_bug(tmp_path, bug):
     """A replay file recorded with ``--bug`` (an injected fault): the issue's title and banner and the client's
@@ -608,6 +630,7 @@ def test_every_sglang_corpus_finding_has_its_note_from_the_corpus_notes_file():
         config, _, findings, _ = replay.load(path)
         note = note_for("sglang", [f.signature for f in findings], config.preset)
         assert note is not None and note.title and note.why and note.server and note.readme, path
+        assert note.reach and note.driver and note.sure, path  # a finding in SGLang is a claim about SGLang
         assert "{" not in note.why + note.fix, path
     assert "Streaming session already has an active request" in note_for(
         "sglang", ["aliasing/token_to_kv_pool/request-kv"], "sglang-session").why
