@@ -543,6 +543,31 @@ def test_the_issue_says_how_a_server_gets_there_where_the_driver_differs_and_how
     assert f"- Where kvaudit's driver could differ from a server on this path: {note.driver}.\n" in sure
 
 
+@pytest.mark.sglang
+def test_a_held_request_fits_the_context_length_the_launch_line_gives(stand_in, tmp_path):
+    """SGLang's tokenizer refuses (HTTP 400) a /generate whose input plus max_new_tokens passes the server's
+    context length (TokenizerManager's total-token check; --allow-auto-truncate is off by default). A held
+    request asks for --hold-tokens more, capped so that it still fits the launch line's --context-length
+    (as vLLM's client caps at max_model_len); before, finding 10's held first turn asked for 257 tokens
+    against --context-length 96, was refused, and the replacing turn found no history to crash on."""
+    import re
+    src = os.path.join(ROOT, "corpora", "sglang", "crash-session-replace-without-rid.json")
+    r = invoke("export", src, "--client", str(tmp_path / "c.py"), "--issue", str(tmp_path / "c.md"))
+    assert r.exit_code == 0, r.output
+    context = int(re.search(r"--context-length (\d+)", (tmp_path / "c.md").read_text()).group(1))
+    subprocess.run([sys.executable, str(tmp_path / "c.py"), "--url", stand_in.url, "--step-delay", "0.05",
+                    "--timeout", "20"], capture_output=True, text=True, timeout=120)  # the default --hold-tokens
+    items = []
+    for _, _, path, body, _, _ in stand_in.log:
+        if path == "/generate":
+            ids, params = body["input_ids"], body["sampling_params"]
+            items += list(zip(ids, params)) if isinstance(ids[0], list) else [(ids, params)]
+    assert len(items) == 2
+    held = items[0][1]["max_new_tokens"]
+    assert held > 1  # still held (the program's own max_new_tokens is 1) ...
+    assert all(len(ids) + p["max_new_tokens"] <= context for ids, p in items), (context, items)  # ... and accepted
+
+
 @pytest.mark.parametrize("bug", ["skip-release", "lock-leak"])
 def test_a_finding_of_a_planted_sglang_fault_is_exported_as_one_not_as_an_sglang_bug(tmp_path, bug):
     """A replay file recorded with ``--bug`` (an injected fault): the issue's title and banner and the client's

@@ -127,8 +127,9 @@ SGLANG_API = r'''
     def generate(self, items, session_params=None, label=""):
         """items: (rid, input_ids, max_new_tokens, hold); one item is a plain request, several a batch
         (lists), all sharing ``session_params``."""
-        params = [{"max_new_tokens": m + (self.hold_tokens if hold else 0), "temperature": 0.0, "ignore_eos": True}
-                  for _, _, m, hold in items]
+        # SGLang refuses (400) input + max_new_tokens past --context-length: a hold is capped to fit it
+        params = [{"max_new_tokens": max(m, min(m + (self.hold_tokens if hold else 0), MAX_MODEL_LEN - len(x))),
+                   "temperature": 0.0, "ignore_eos": True} for _, x, m, hold in items]
         rids = [self.tag + rid for rid, _, _, _ in items]
         ids = [list(x) for _, x, _, _ in items]
         body = {"input_ids": ids[0], "rid": rids[0], "sampling_params": params[0]} if len(items) == 1 else \
@@ -342,5 +343,5 @@ EXPORT = EngineExport(
     expected_pool="the pool does not come back (after closing every session and flushing, kv_available_tokens "
                   "is below its value before the program, or kv_used_tokens > 0), or the server fails",
     batch_submits=True, deferred_flush=True, curl=curl_lines, trace_views=trace_views, planted=planted_faults(FAULTS),
-    unseen_pool=unseen_pool,
+    unseen_pool=unseen_pool, client_sizes=lambda c: (None, c.context_len),
 )
