@@ -568,6 +568,32 @@ def test_a_held_request_fits_the_context_length_the_launch_line_gives(stand_in, 
     assert all(len(ids) + p["max_new_tokens"] <= context for ids, p in items), (context, items)  # ... and accepted
 
 
+@pytest.mark.sglang
+@pytest.mark.parametrize("name,want", [
+    ("aliasing-spec-row-overflow-ngram-deep", {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 16,
+                                               "speculative_ngram_max_bfs_breadth": 1}),
+    ("crash-pd-prefill-requeued-first-turn-prefix-shrank", {"optimistic_prefill_attempts": 2})])
+def test_the_launch_line_sets_what_the_finding_needs_as_sglang_parses_it(tmp_path, name, want):
+    """The launch line, parsed by SGLang 0.5.23's own argument parser, sets the server arguments the finding
+    needs: finding 14 needs n-gram speculative decoding (its 16-token verify at breadth 1, as the preset
+    drives it), finding 13 optimistic prefill. Before, neither flag was in the line: a server launched as
+    the issue says runs without speculative decoding or optimistic prefill and cannot show either."""
+    import argparse
+    import re
+    import shlex
+    from kvaudit.targets.sglang import boot
+    boot.load()
+    from sglang.srt.server_args import ServerArgs
+    src = os.path.join(ROOT, "corpora", "sglang", name + ".json")
+    r = invoke("export", src, "--issue", str(tmp_path / "i.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output
+    line = re.search(r"python -m sglang.launch_server (.*)", (tmp_path / "i.md").read_text()).group(1)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = vars(parser.parse_args(shlex.split(line)))
+    assert {k: args[k] for k in want} == want, line
+
+
 @pytest.mark.parametrize("bug", ["skip-release", "lock-leak"])
 def test_a_finding_of_a_planted_sglang_fault_is_exported_as_one_not_as_an_sglang_bug(tmp_path, bug):
     """A replay file recorded with ``--bug`` (an injected fault): the issue's title and banner and the client's

@@ -108,6 +108,16 @@ def flag_line(config) -> tuple[list[str], list[str], list[str]]:
             flags.append("--schedule-low-priority-values-first")
     if c.max_queued_requests is not None:
         flags.append(f"--max-queued-requests {c.max_queued_requests}")
+    if c.optimistic_prefill_attempts:
+        flags.append(f"--optimistic-prefill-attempts {c.optimistic_prefill_attempts}")
+    if c.speculative_algorithm is not None:  # spec v2, SGLang 0.5.23's only speculative path
+        algo = c.speculative_algorithm.upper()
+        flags += [f"--speculative-algorithm {algo}", f"--speculative-num-draft-tokens {c.speculative_num_draft_tokens}"]
+        if algo == "NGRAM":  # SGLang takes n-gram's topk from the BFS breadth (10 by default) and derives its steps
+            flags.append(f"--speculative-ngram-max-bfs-breadth {c.speculative_eagle_topk}")
+        else:
+            flags += ["--speculative-draft-model-path DRAFT_MODEL", f"--speculative-num-steps {c.speculative_num_steps}",
+                      f"--speculative-eagle-topk {c.speculative_eagle_topk}"]
     return flags, env, unmapped
 
 
