@@ -521,6 +521,79 @@ def test_without_the_target_handles_are_resolved_statically(tmp_path):
     assert "## How sure we are" in (tmp_path / "c.md").read_text()
 
 
+@pytest.mark.parametrize("kind,name", [("sglang", "crash-session-replace-without-rid"),
+                                       ("sglang", "hang-pd-prealloc-never-fits"), ("vllm", "own/vllm-46283")])
+def test_the_issue_says_how_a_server_gets_there_where_the_driver_differs_and_how_sure_we_are(tmp_path, kind, name):
+    """A finding in a real engine is a claim about that engine: its issue text carries the analysis's own
+    lines (corpora/<kind>/notes.toml): how a server reaches it from client requests (in "What happens"),
+    and where kvaudit's driver could differ on its path and how sure the analysis is (in "How sure we are"),
+    not only the lines every export has. Before, the notes' ``reach`` was printed by the history suite only."""
+    from kvaudit.history.notes import note_for
+    src = os.path.join(ROOT, "corpora", kind, name + ".json")
+    config, _, findings, _ = replay.load(src)
+    note = note_for(kind, [f.signature for f in findings], config.preset)
+    assert note is not None and note.reach and note.driver and note.sure
+    r = invoke("export", src, "--issue", str(tmp_path / "i.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output
+    issue = (tmp_path / "i.md").read_text()
+    happens = issue.split("## What happens\n")[1].split("\n## ")[0]
+    sure = issue.split("## How sure we are\n")[1]
+    assert f"How a server gets there from client requests: {note.reach}." in happens
+    assert f"- This finding: {note.sure}.\n" in sure
+    assert f"- Where kvaudit's driver could differ from a server on this path: {note.driver}.\n" in sure
+
+
+@pytest.mark.sglang
+def test_a_held_request_fits_the_context_length_the_launch_line_gives(stand_in, tmp_path):
+    """SGLang's tokenizer refuses (HTTP 400) a /generate whose input plus max_new_tokens passes the server's
+    context length (TokenizerManager's total-token check; --allow-auto-truncate is off by default). A held
+    request asks for --hold-tokens more, capped so that it still fits the launch line's --context-length
+    (as vLLM's client caps at max_model_len); before, finding 10's held first turn asked for 257 tokens
+    against --context-length 96, was refused, and the replacing turn found no history to crash on."""
+    import re
+    src = os.path.join(ROOT, "corpora", "sglang", "crash-session-replace-without-rid.json")
+    r = invoke("export", src, "--client", str(tmp_path / "c.py"), "--issue", str(tmp_path / "c.md"))
+    assert r.exit_code == 0, r.output
+    context = int(re.search(r"--context-length (\d+)", (tmp_path / "c.md").read_text()).group(1))
+    subprocess.run([sys.executable, str(tmp_path / "c.py"), "--url", stand_in.url, "--step-delay", "0.05",
+                    "--timeout", "20"], capture_output=True, text=True, timeout=120)  # the default --hold-tokens
+    items = []
+    for _, _, path, body, _, _ in stand_in.log:
+        if path == "/generate":
+            ids, params = body["input_ids"], body["sampling_params"]
+            items += list(zip(ids, params)) if isinstance(ids[0], list) else [(ids, params)]
+    assert len(items) == 2
+    held = items[0][1]["max_new_tokens"]
+    assert held > 1  # still held (the program's own max_new_tokens is 1) ...
+    assert all(len(ids) + p["max_new_tokens"] <= context for ids, p in items), (context, items)  # ... and accepted
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("name,want", [
+    ("aliasing-spec-row-overflow-ngram-deep", {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 16,
+                                               "speculative_ngram_max_bfs_breadth": 1}),
+    ("crash-pd-prefill-requeued-first-turn-prefix-shrank", {"optimistic_prefill_attempts": 2})])
+def test_the_launch_line_sets_what_the_finding_needs_as_sglang_parses_it(tmp_path, name, want):
+    """The launch line, parsed by SGLang 0.5.23's own argument parser, sets the server arguments the finding
+    needs: finding 14 needs n-gram speculative decoding (its 16-token verify at breadth 1, as the preset
+    drives it), finding 13 optimistic prefill. Before, neither flag was in the line: a server launched as
+    the issue says runs without speculative decoding or optimistic prefill and cannot show either."""
+    import argparse
+    import re
+    import shlex
+    from kvaudit.targets.sglang import boot
+    boot.load()
+    from sglang.srt.server_args import ServerArgs
+    src = os.path.join(ROOT, "corpora", "sglang", name + ".json")
+    r = invoke("export", src, "--issue", str(tmp_path / "i.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output
+    line = re.search(r"python -m sglang.launch_server (.*)", (tmp_path / "i.md").read_text()).group(1)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = vars(parser.parse_args(shlex.split(line)))
+    assert {k: args[k] for k in want} == want, line
+
+
 @pytest.mark.parametrize("bug", ["skip-release", "lock-leak"])
 def test_a_finding_of_a_planted_sglang_fault_is_exported_as_one_not_as_an_sglang_bug(tmp_path, bug):
     """A replay file recorded with ``--bug`` (an injected fault): the issue's title and banner and the client's
@@ -608,6 +681,7 @@ def test_every_sglang_corpus_finding_has_its_note_from_the_corpus_notes_file():
         config, _, findings, _ = replay.load(path)
         note = note_for("sglang", [f.signature for f in findings], config.preset)
         assert note is not None and note.title and note.why and note.server and note.readme, path
+        assert note.reach and note.driver and note.sure, path  # a finding in SGLang is a claim about SGLang
         assert "{" not in note.why + note.fix, path
     assert "Streaming session already has an active request" in note_for(
         "sglang", ["aliasing/token_to_kv_pool/request-kv"], "sglang-session").why

@@ -116,7 +116,8 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
     """The script's text for ``plan``: ``source`` (the replay file), ``launch`` (the server command),
     ``kind`` (the first finding's), ``server`` (what a server shows), ``env`` (variables the launch
     needs), ``planted`` (kvaudit's planted fault, or None), ``pool_blocks`` (vLLM: the pool's usable
-    blocks), ``max_model_len`` (vLLM: tokens, prompt + output), ``release`` (the release, with why it
+    blocks), ``max_model_len`` (tokens, prompt + output, a held request's cap: vLLM's max_model_len, SGLang's
+    --context-length), ``release`` (the release, with why it
     is named, e.g. "0.16.0 (the release that ships the bug)", when not the one the routes were read on),
     ``unseen`` (``EngineExport.unseen_pool``'s sentence for the finding's pool, or None), ``unsent``
     (``EngineExport.unsent``'s sentence: what of the program no client can send, or None). Raises

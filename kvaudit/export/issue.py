@@ -150,11 +150,15 @@ def _reproduce(ex, config, plan: Plan, note: Note | None, client_name: str | Non
 
 
 def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str | None,
-              release: tuple | None, triaged: bool = True) -> list[str]:
+              release: tuple | None, triaged: bool = True, note: Note | None = None) -> list[str]:
     """The "How sure we are" lines; ``triaged``: a note of the signature is recorded (else a line says the
-    finding is not yet shown to be the engine's rather than kvaudit's driver's, and to triage it first)."""
+    finding is not yet shown to be the engine's rather than kvaudit's driver's, and to triage it first);
+    ``note``: its analysis, whose own confidence and driver differences (``sure``, ``driver``) come first."""
     api, package = ex.api, ex.package
     return ["## How sure we are", "",
+            *([f"- This finding: {note.sure}."] if note is not None and note.sure else []),
+            *([f"- Where kvaudit's driver could differ from a server on this path: {note.driver}."]
+              if note is not None and note.driver else []),
             f"- Seen: kvaudit drove {api.engine} {version}'s own memory manager and scheduler objects "
             f"{ex.issue.seen_how}; the finding replays deterministically "
             f"({doc.get('confirmations', 'not recorded')}).",
@@ -212,6 +216,8 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
     out += ["", "## What happens", "", f"kvaudit reports: {kinds}.", ""]
     if note is not None:
         out += [f"On a server: {note.server}.", ""]
+        if note.reach:
+            out += [f"How a server gets there from client requests: {note.reach}.", ""]
     out += ["## Minimized program", "",
             "kvaudit's ops, numbered as the findings name them (`submit` is a generate request of `prompt_len` "
             "tokens and `max_new_tokens` output tokens; `session=k` is the next turn of the k-th open session; "
@@ -233,5 +239,6 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
     if note is not None:
         out += [f"(Full analysis: kvaudit's `corpora/{package}/README.md`, "
                 f"{'section' if release is not None and release[1] is not None else 'finding'} {note.readme}.)", ""]
-    out += _how_sure(ex, doc, plan, version, source, planted, release, triaged=note is not None)
+    out += _how_sure(ex, doc, plan, version, source, planted, release, triaged=note is not None,
+                     note=note if planted is None else None)
     return "\n".join(out) + "\n"

@@ -19,7 +19,9 @@ except ModuleNotFoundError:  # Python 3.10: the tomli backport (pyproject.toml's
 class Note(NamedTuple):
     """``title`` (symptom + function), ``why`` (the broken rule), ``fix`` ("": none known), ``server``
     (what a client sees on a real server), ``readme`` (the README.md section with the full analysis: its
-    ``finding-README`` anchor), ``reach`` (how a real server reaches it from client requests; "": not written)."""
+    ``finding-README`` anchor), ``reach`` (how a real server reaches it from client requests; "": not written),
+    ``driver`` (where kvaudit's driver could differ from a real server on this finding's path; "": not written),
+    ``sure`` (how sure the analysis is of this finding, and what was not run; "": not written)."""
 
     title: str
     why: str
@@ -27,6 +29,8 @@ class Note(NamedTuple):
     server: str
     readme: str
     reach: str = ""
+    driver: str = ""
+    sure: str = ""
 
 
 @functools.cache

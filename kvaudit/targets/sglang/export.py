@@ -108,6 +108,16 @@ def flag_line(config) -> tuple[list[str], list[str], list[str]]:
             flags.append("--schedule-low-priority-values-first")
     if c.max_queued_requests is not None:
         flags.append(f"--max-queued-requests {c.max_queued_requests}")
+    if c.optimistic_prefill_attempts:
+        flags.append(f"--optimistic-prefill-attempts {c.optimistic_prefill_attempts}")
+    if c.speculative_algorithm is not None:  # spec v2, SGLang 0.5.23's only speculative path
+        algo = c.speculative_algorithm.upper()
+        flags += [f"--speculative-algorithm {algo}", f"--speculative-num-draft-tokens {c.speculative_num_draft_tokens}"]
+        if algo == "NGRAM":  # SGLang takes n-gram's topk from the BFS breadth (10 by default) and derives its steps
+            flags.append(f"--speculative-ngram-max-bfs-breadth {c.speculative_eagle_topk}")
+        else:
+            flags += ["--speculative-draft-model-path DRAFT_MODEL", f"--speculative-num-steps {c.speculative_num_steps}",
+                      f"--speculative-eagle-topk {c.speculative_eagle_topk}"]
     return flags, env, unmapped
 
 
@@ -127,8 +137,9 @@ SGLANG_API = r'''
     def generate(self, items, session_params=None, label=""):
         """items: (rid, input_ids, max_new_tokens, hold); one item is a plain request, several a batch
         (lists), all sharing ``session_params``."""
-        params = [{"max_new_tokens": m + (self.hold_tokens if hold else 0), "temperature": 0.0, "ignore_eos": True}
-                  for _, _, m, hold in items]
+        # SGLang refuses (400) input + max_new_tokens past --context-length: a hold is capped to fit it
+        params = [{"max_new_tokens": max(m, min(m + (self.hold_tokens if hold else 0), MAX_MODEL_LEN - len(x))),
+                   "temperature": 0.0, "ignore_eos": True} for _, x, m, hold in items]
         rids = [self.tag + rid for rid, _, _, _ in items]
         ids = [list(x) for _, x, _, _ in items]
         body = {"input_ids": ids[0], "rid": rids[0], "sampling_params": params[0]} if len(items) == 1 else \
@@ -342,5 +353,5 @@ EXPORT = EngineExport(
     expected_pool="the pool does not come back (after closing every session and flushing, kv_available_tokens "
                   "is below its value before the program, or kv_used_tokens > 0), or the server fails",
     batch_submits=True, deferred_flush=True, curl=curl_lines, trace_views=trace_views, planted=planted_faults(FAULTS),
-    unseen_pool=unseen_pool,
+    unseen_pool=unseen_pool, client_sizes=lambda c: (None, c.context_len),
 )

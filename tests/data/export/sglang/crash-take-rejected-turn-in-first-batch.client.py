@@ -47,6 +47,7 @@ DEFAULT_URL = 'http://127.0.0.1:30000'
 UNSEEN = None
 UNSENT = None
 SERVER_KEYS = ['enable_streaming_session', 'page_size', 'max_total_tokens', 'disable_overlap_schedule', 'chunked_prefill_size', 'enable_hisparse', 'disaggregation_mode']
+MAX_MODEL_LEN = 96
 APPROXIMATIONS = []
 
 
@@ -134,8 +135,9 @@ class Client:
     def generate(self, items, session_params=None, label=""):
         """items: (rid, input_ids, max_new_tokens, hold); one item is a plain request, several a batch
         (lists), all sharing ``session_params``."""
-        params = [{"max_new_tokens": m + (self.hold_tokens if hold else 0), "temperature": 0.0, "ignore_eos": True}
-                  for _, _, m, hold in items]
+        # SGLang refuses (400) input + max_new_tokens past --context-length: a hold is capped to fit it
+        params = [{"max_new_tokens": max(m, min(m + (self.hold_tokens if hold else 0), MAX_MODEL_LEN - len(x))),
+                   "temperature": 0.0, "ignore_eos": True} for _, x, m, hold in items]
         rids = [self.tag + rid for rid, _, _, _ in items]
         ids = [list(x) for _, x, _, _ in items]
         body = {"input_ids": ids[0], "rid": rids[0], "sampling_params": params[0]} if len(items) == 1 else \
