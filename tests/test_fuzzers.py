@@ -141,7 +141,7 @@ def test_a_plugin_fuzzers_mistake_is_one_line_naming_it_exit_2(search, message, 
 def test_a_hypothesis_search_leaves_one_state_machine_class_however_many_batches_it_ran():
     """Hypothesis keeps every state machine class it ran, with its rules and their strategies, for good
     (``RuleBasedStateMachine._setup_state_per_class``): a search that built a class per batch of 100 programs
-    grew by ~4,500 objects a batch, without end (benchmarks/own_memory.py --fuzzer hypothesis). Counts, not time."""
+    grew by ~370 objects a batch, without end (benchmarks/own_memory.py --fuzzer hypothesis). Counts, not time."""
     import gc
 
     from hypothesis import seed
