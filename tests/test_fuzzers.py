@@ -138,6 +138,37 @@ def test_a_plugin_fuzzers_mistake_is_one_line_naming_it_exit_2(search, message, 
     assert fuzzers.get("random").search is fuzzers._FUZZERS["random"].search  # the built-ins are not wrapped
 
 
+def test_a_hypothesis_search_leaves_one_state_machine_class_however_many_batches_it_ran():
+    """Hypothesis keeps every state machine class it ran, with its rules and their strategies, for good
+    (``RuleBasedStateMachine._setup_state_per_class``): a search that built a class per batch of 100 programs
+    grew by ~370 objects a batch, without end (benchmarks/own_memory.py --fuzzer hypothesis). Counts, not time."""
+    import gc
+
+    from hypothesis import seed
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    from kvaudit.search.fuzz import FuzzStats, hypothesis_search
+    from kvaudit.targets.eut.presets import get_preset
+
+    def machines() -> set:
+        gc.collect()
+        return {c for c in RuleBasedStateMachine.__subclasses__() if c.__module__ == "kvaudit.search.fuzz"}
+
+    before, stats = machines(), FuzzStats()
+    assert hypothesis_search(get_preset("default").config(), 1e9, 1, stats, batch_examples=3, max_steps=4,
+                             max_executions=12) is None
+    assert stats.executions == 12  # four batches at least
+    assert len(machines() - before) == 1  # (a class per batch: 4 or more)
+
+    def depth(cls) -> int:  # the settings @seed leaves on a class: re-applied per batch, not chained
+        s, n = vars(cls).get("_hypothesis_internal_use_settings"), 0
+        while s is not None:
+            s, n = getattr(s, "_fallback", None), n + 1
+        return n
+
+    assert depth((machines() - before).pop()) == depth(seed(0)(type("Fresh", (), {})))
+
+
 @pytest.mark.vllm
 def test_after_start_up_full_collections_keep_up_with_the_programs_targets():
     """A tester's vllm-manager campaign grew ~3 KB a program, linearly: each program's target leaves

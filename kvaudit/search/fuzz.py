@@ -298,6 +298,14 @@ def warm_up_hypothesis() -> None:
     once()
 
 
+def _reseed(machine: type, value: int) -> None:
+    # @seed(value) again on the same class, without the chain of settings it would build (each @seed wraps the
+    # class's previous settings, which run_state_machine_as_test does not read: it is given its own)
+    if "_hypothesis_internal_use_settings" in vars(machine):
+        delattr(machine, "_hypothesis_internal_use_settings")
+    seed(value)(machine)
+
+
 def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, stats: FuzzStats,
                       on_progress: Callable[[FuzzStats], None] | None = None,
                       batch_examples: int = 100, max_steps: int = 16,
@@ -324,9 +332,13 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
                   suppress_health_check=list(HypHealthCheck), verbosity=Verbosity.quiet,
                   phases=([Phase.reuse] if db is not None else []) + [Phase.generate, Phase.shrink],
                   report_multiple_bugs=False)
+    # NOTE: one machine class per search, seeded again per batch: Hypothesis keeps every state machine class it
+    # ran, with its rules and their strategies (RuleBasedStateMachine._setup_state_per_class), so a class per
+    # batch grew a long search's heap by ~370 objects every 100 programs, for good (docs/internals/fuzzers.md, "Memory")
+    machine = _machine(config, rec, max_prompt, suppressions, swarm)
     batch = 0
     while time.monotonic() < deadline and (rec.cap is None or stats.executions < rec.cap):
-        machine = seed(seed_value * 1_000_003 + batch)(_machine(config, rec, max_prompt, suppressions, swarm))
+        _reseed(machine, seed_value * 1_000_003 + batch)
         try:
             run_state_machine_as_test(machine, settings=hs)
         except _BudgetSpent:
