@@ -635,3 +635,14 @@ def test_a_target_without_faults_does_not_import_the_faults_module(preset):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["none", "faults", "free_with_faults"]
+
+
+@pytest.mark.xfail(strict=True, reason="open: two faults' ownerless leaks share a signature (ts65)")
+def test_a_skipped_free_of_a_one_step_request_is_not_the_rejected_draft_leak():
+    """skip-free of a request that finished in its first step: no check saw it hold its block and no release
+    named it, so the leak reads leak/block_pool/schedule@scheduler.py, the one signature that
+    fault-leak-rejected-draft-blocks.json records (both faults drop a table and keep its refs; found by
+    `kvaudit fuzz --target vllm --preset vllm --bug skip-free --seed 1 --corpus DIR`, and on vllm-spec)."""
+    _, _, draft, _ = replay.load(os.path.join(ROOT, "corpora", "vllm", "fault-leak-rejected-draft-blocks.json"))
+    found = execute(cfg("vllm", bugs=frozenset({"skip-free"})), [Submit(0, 1, 1), Step(1)]).signatures
+    assert found and not set(found) & {f.signature for f in draft}, found
