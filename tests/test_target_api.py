@@ -328,6 +328,33 @@ class ListRoots(rowtoy_plugin.RowToyTarget):
         return [Root("rowz", f"req:{r.rid}", r.rows) for r in self.engine.running]
 
 
+class KvTensorsShadow(rowtoy_plugin.RowToyTarget):
+    """Follows base.py's old kv_pools docstring ("the KV tensors, {pool: (k, v)}") and tags its running
+    requests' rows each step: the shadow's tags came out [48, 48], and the first write was 'Engine crash:
+    ValueError: shape mismatch', blamed on the target's own step, exit 1."""
+
+    def kv_pools(self):
+        return {"rows": (self.config.size, self.config.size)}
+
+    def install_shadow(self, shadow, wrap, report):
+        step = self.engine.step
+
+        def tagged_step():
+            step()
+            for r in self.engine.running:
+                tags = shadow.request_tags(r, list(range(r.rows.size)))
+                shadow.write("rows", r.rows, tags)
+                if shadow.read("rows", r.rows, tags) is not None:
+                    report("rows", r.rows, f"req:{r.rid} reads another's KV")
+
+        wrap(self.engine, "step", tagged_step)
+
+
+class KvOfAnUndeclaredPool(KvTensorsShadow):
+    def kv_pools(self):
+        return {"kv": self.config.size}
+
+
 BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but its RowPool has no available_size()'),
        "misspelt-kind": (MisspeltKind, 'pool "rows" declares kind "row"; the pool kinds are kv, rows, blocks'),
        "blocks-without-install": (BlocksWithoutInstall, 'pool "rows" is a "blocks" pool, which has no standard '
@@ -337,7 +364,13 @@ BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but it
        "pool-named-twice": (TwoRows, 'TwoRows.pools() must name each pool once with a non-empty string, got ["rows", '
                                      '"rows"]'),
        "no-engine-check": (NoEngineCheck, "NoEngineCheck does not define engine_check(), required of every target"),
-       "undeclared-root-pool": (ListRoots, 'a root of req:r1 names pool "rowz", which its pools() does not declare')}
+       "undeclared-root-pool": (ListRoots, 'a root of req:r1 names pool "rowz", which its pools() does not declare'),
+       "kv-tensors-shadow": (KvTensorsShadow, "KvTensorsShadow.kv_pools() must return {declared pool: its size in "
+                                              'token slots, an int >= (num_units + 1) * page_size}, got {"rows": '
+                                              "[48, 48]}"),
+       "kv-of-an-undeclared-pool": (KvOfAnUndeclaredPool, "KvOfAnUndeclaredPool.kv_pools() must return {declared "
+                                                          "pool: its size in token slots"),
+       }
 
 
 @pytest.fixture
