@@ -355,6 +355,32 @@ class KvOfAnUndeclaredPool(KvTensorsShadow):
         return {"kv": self.config.size}
 
 
+class ReadsUnwritten(rowtoy_plugin.RowToyTarget):
+    """A shadow that checks each running request's rows after each step and writes none of them, so every
+    read is stale ('never written'); it reports the slots as a list of ints (``REPORT_POOL``'s)."""
+
+    REPORT_POOL = "rows"
+
+    def kv_pools(self):
+        return {"rows": self.config.size}
+
+    def install_shadow(self, shadow, wrap, report):
+        step = self.engine.step
+
+        def checked_step():
+            step()
+            for r in self.engine.running:
+                bad = shadow.read("rows", r.rows, shadow.request_tags(r, list(range(r.rows.size))))
+                if bad is not None:
+                    report(self.REPORT_POOL, r.rows[bad[0]].tolist(), f"req:{r.rid} reads KV {bad[1]}")
+
+        wrap(self.engine, "step", checked_step)
+
+
+class ReportsAnUndeclaredPool(ReadsUnwritten):
+    REPORT_POOL = "kv"
+
+
 BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but its RowPool has no available_size()'),
        "misspelt-kind": (MisspeltKind, 'pool "rows" declares kind "row"; the pool kinds are kv, rows, blocks'),
        "blocks-without-install": (BlocksWithoutInstall, 'pool "rows" is a "blocks" pool, which has no standard '
@@ -370,6 +396,11 @@ BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but it
                                               "[48, 48]}"),
        "kv-of-an-undeclared-pool": (KvOfAnUndeclaredPool, "KvOfAnUndeclaredPool.kv_pools() must return {declared "
                                                           "pool: its size in token slots"),
+       "reads-unwritten": (ReadsUnwritten, "(none: a stale read reported with its slots as a list)"),
+       "report-of-an-undeclared-pool": (ReportsAnUndeclaredPool, "ReportsAnUndeclaredPool.install_shadow's report(pool, "
+                                                                  "slots, message) takes a pool of kv_pools() (rows) "
+                                                                  'and the token slots read wrong, integers, got "kv" '
+                                                                  "and [1"),
        }
 
 
@@ -383,7 +414,8 @@ def badtoy():
     registry._KINDS.pop("badtoy")
 
 
-@pytest.mark.parametrize("preset", [p for p in BAD if p != "undeclared-root-pool"])
+@pytest.mark.parametrize("preset", [p for p in BAD if p not in ("undeclared-root-pool", "reads-unwritten",
+                                                                 "report-of-an-undeclared-pool")])
 def test_a_targets_declaration_mistake_is_one_line_exit_2_naming_the_kind(preset, badtoy, tmp_path):
     """KvKindOnRows was 'Engine crash: AttributeError: 'RowPool' object has no attribute
     'available_size'', blamed on the engine's own alloc line, exit 1."""
@@ -393,6 +425,23 @@ def test_a_targets_declaration_mistake_is_one_line_exit_2_naming_the_kind(preset
     line = one_error_line(r)
     assert line.startswith(f"kvaudit: error: target badtoy: {BAD[preset][1]}"), line
     assert os.listdir(tmp_path) == [] or not any(n.endswith(".json") for n in os.listdir(tmp_path))
+
+
+def test_a_shadow_reports_a_stale_read_with_its_slots_as_any_integer_sequence(badtoy, tmp_path):
+    """report(pool, slots, message) with slots as a list of ints was 'Engine crash: TypeError: unsupported
+    operand type(s) for //: 'list' and 'int'' (the auditor divided the slots by the page size), exit 1."""
+    r = invoke("fuzz", "--target", "badtoy", "--preset", "reads-unwritten", "--fuzzer", "random", "--max-time", "5",
+               "--out", str(tmp_path))
+    assert r.exit_code == 1, r.output + r.stderr
+    assert "signature: stale-kv/rows/" in r.output and "/unwritten" in r.output, r.output
+    assert "Engine crash" not in r.output, r.output
+    # a report naming a pool the shadow does not cover was 'Engine crash: KeyError: 'kv'', exit 1
+    r = invoke("fuzz", "--target", "badtoy", "--preset", "report-of-an-undeclared-pool", "--fuzzer", "random",
+               "--max-time", "5", "--out", str(tmp_path / "undeclared"))
+    assert r.exit_code == 2, r.output + r.stderr
+    last = r.stderr.strip().splitlines()[-1]  # met running, after the run's first lines
+    assert last.startswith(f"kvaudit: error: target badtoy: {BAD['report-of-an-undeclared-pool'][1]}"), last
+    assert "Traceback" not in r.output + r.stderr and "crash" not in r.output
 
 
 def test_a_root_of_an_undeclared_pool_met_mid_run_is_not_an_engine_crash(badtoy, tmp_path):
