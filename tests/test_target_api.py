@@ -444,6 +444,21 @@ def test_a_shadow_reports_a_stale_read_with_its_slots_as_any_integer_sequence(ba
     assert "Traceback" not in r.output + r.stderr and "crash" not in r.output
 
 
+def test_fuzz_s_replay_command_carries_its_suppressions(badtoy, tmp_path):
+    """A toy plugin's stale read found past suppressed use-after-frees printed 'kvaudit replay FILE' without
+    the run's --suppress: that replay stopped at the first use-after-free, 'recorded signature(s) reproduced:
+    no'. The hint now carries the rules, and running it reproduces the file's finding."""
+    rules = tmp_path / "known.toml"
+    rules.write_text('[[suppress]]\nkind = "leak"\nreason = "known"\n')
+    r = invoke("fuzz", "--target", "badtoy", "--preset", "reads-unwritten", "--fuzzer", "random", "--max-time", "5",
+               "--suppress", str(rules), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 1, r.output + r.stderr
+    (hint,) = re.findall(r"^replay file: .*\((.*)\)$", r.output, re.M)
+    assert hint.startswith("kvaudit replay ") and hint.endswith(f" --suppress {rules}"), hint
+    again = invoke(*hint.split()[1:])
+    assert again.exit_code == 1 and "recorded signature(s) reproduced: yes" in again.output, again.output
+
+
 def test_a_root_of_an_undeclared_pool_met_mid_run_is_not_an_engine_crash(badtoy, tmp_path):
     """The check at build sees no roots (a fresh engine holds none): the oracle meets it at the first
     step with a live request, and it is the target's error, not a crash finding."""
