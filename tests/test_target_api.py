@@ -19,6 +19,7 @@ from kvaudit.targets.base import Accounting, PoolSpec, Root, Target, TargetFindi
 
 registry.kinds()  # the built-ins register first, as in a command's run
 import rowtoy_plugin  # noqa: E402  (registers the kind "rowtoy" in this process)
+import pagetoy_plugin  # noqa: E402  (registers "pagetoy": docs/writing-a-target.md's stale-KV shadow)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -457,6 +458,33 @@ def test_fuzz_s_replay_command_carries_its_suppressions(badtoy, tmp_path):
     assert hint.startswith("kvaudit replay ") and hint.endswith(f" --suppress {rules}"), hint
     again = invoke(*hint.split()[1:])
     assert again.exit_code == 1 and "recorded signature(s) reproduced: yes" in again.output, again.output
+
+
+def test_a_plugins_shadow_finds_the_early_free_a_later_prefill_overwrites(tmp_path):
+    """docs/writing-a-target.md's 'Reads: stale KV', run: an early free whose page the next prefill takes is
+    stale-kv at the read (its signature names the free), with the shadow; without it, ownership alone sees
+    the use-after-free only at a step a check runs, and a search's sparse schedule passes it unseen."""
+    from kvaudit.audit.runner import AuditedRun
+    from kvaudit.program import Step, Submit
+
+    program = [Submit(family=0, prompt_len=3, max_new_tokens=3), Step(n=2),
+               Submit(family=1, prompt_len=25, max_new_tokens=2), Step(n=6)]
+
+    def search(preset):  # a search's schedule: a full check every 16 steps and at the end
+        with AuditedRun(pagetoy_plugin.PRESETS[preset].config(bugs={"early-free"}), check_every=16) as run:
+            return next((found for found in map(run.apply, program) if found), None) or run.finish()
+
+    assert search("pagetoy-roots") == []
+    assert search("pagetoy-tight")
+    path = tmp_path / "early-free.json"
+    replay.write_atomic(str(path), replay.to_doc(pagetoy_plugin.PRESETS["pagetoy-tight"].config(bugs={"early-free"}),
+                                                 program, []))
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[suppress]]\nkind = "use-after-free"\nreason = "the read, not the roots"\n')
+    r = invoke("replay", str(path), "--suppress", str(rules))
+    assert r.exit_code == 1, r.output + r.stderr
+    assert "signature: stale-kv/pages/freed:step@pagetoy_plugin.py" in r.output, r.output
+    assert "req:r1 reads KV written for another token prefix" in r.output, r.output
 
 
 def test_a_root_of_an_undeclared_pool_met_mid_run_is_not_an_engine_crash(badtoy, tmp_path):
