@@ -382,6 +382,23 @@ class ReportsAnUndeclaredPool(ReadsUnwritten):
     REPORT_POOL = "kv"
 
 
+class ReportsPastThePool(ReadsUnwritten):
+    """Reports token slots past its kv_pools() size: was 'Engine crash: IndexError', exit 1."""
+
+    def kv_pools(self):
+        return {"rows": self.config.size}
+
+    def install_shadow(self, shadow, wrap, report):
+        step = self.engine.step
+
+        def checked_step():
+            step()
+            for r in self.engine.running:
+                report("rows", r.rows + self.config.size, f"req:{r.rid} reads KV never written")
+
+        wrap(self.engine, "step", checked_step)
+
+
 BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but its RowPool has no available_size()'),
        "misspelt-kind": (MisspeltKind, 'pool "rows" declares kind "row"; the pool kinds are kv, rows, blocks'),
        "blocks-without-install": (BlocksWithoutInstall, 'pool "rows" is a "blocks" pool, which has no standard '
@@ -400,8 +417,11 @@ BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but it
        "reads-unwritten": (ReadsUnwritten, "(none: a stale read reported with its slots as a list)"),
        "report-of-an-undeclared-pool": (ReportsAnUndeclaredPool, "ReportsAnUndeclaredPool.install_shadow's report(pool, "
                                                                   "slots, message) takes a pool of kv_pools() (rows) "
-                                                                  'and the token slots read wrong, integers, got "kv" '
-                                                                  "and [1"),
+                                                                  'and the token slots read wrong, integers in [0, its '
+                                                                  'size), got "kv" and [1'),
+       "report-past-the-pool": (ReportsPastThePool, "ReportsPastThePool.install_shadow's report(pool, slots, message) "
+                                                    "takes a pool of kv_pools() (rows) and the token slots read wrong, "
+                                                    "integers in [0, its size), got \"rows\" and [49"),
        }
 
 
@@ -416,7 +436,7 @@ def badtoy():
 
 
 @pytest.mark.parametrize("preset", [p for p in BAD if p not in ("undeclared-root-pool", "reads-unwritten",
-                                                                 "report-of-an-undeclared-pool")])
+                                                                 "report-of-an-undeclared-pool", "report-past-the-pool")])
 def test_a_targets_declaration_mistake_is_one_line_exit_2_naming_the_kind(preset, badtoy, tmp_path):
     """KvKindOnRows was 'Engine crash: AttributeError: 'RowPool' object has no attribute
     'available_size'', blamed on the engine's own alloc line, exit 1."""
@@ -436,13 +456,15 @@ def test_a_shadow_reports_a_stale_read_with_its_slots_as_any_integer_sequence(ba
     assert r.exit_code == 1, r.output + r.stderr
     assert "signature: stale-kv/rows/" in r.output and "/unwritten" in r.output, r.output
     assert "Engine crash" not in r.output, r.output
-    # a report naming a pool the shadow does not cover was 'Engine crash: KeyError: 'kv'', exit 1
-    r = invoke("fuzz", "--target", "badtoy", "--preset", "report-of-an-undeclared-pool", "--fuzzer", "random",
-               "--max-time", "5", "--out", str(tmp_path / "undeclared"))
-    assert r.exit_code == 2, r.output + r.stderr
-    last = r.stderr.strip().splitlines()[-1]  # met running, after the run's first lines
-    assert last.startswith(f"kvaudit: error: target badtoy: {BAD['report-of-an-undeclared-pool'][1]}"), last
-    assert "Traceback" not in r.output + r.stderr and "crash" not in r.output
+    # a report naming a pool the shadow does not cover was 'Engine crash: KeyError: 'kv'', one of slots past the
+    # pool 'Engine crash: IndexError', exit 1 both
+    for preset in ("report-of-an-undeclared-pool", "report-past-the-pool"):
+        r = invoke("fuzz", "--target", "badtoy", "--preset", preset, "--fuzzer", "random", "--max-time", "5",
+                   "--out", str(tmp_path / preset))
+        assert r.exit_code == 2, r.output + r.stderr
+        last = r.stderr.strip().splitlines()[-1]  # met running, after the run's first lines
+        assert last.startswith(f"kvaudit: error: target badtoy: {BAD[preset][1]}"), last
+        assert "Traceback" not in r.output + r.stderr and "crash" not in r.output
 
 
 def test_fuzz_s_replay_command_carries_its_suppressions(badtoy, tmp_path):

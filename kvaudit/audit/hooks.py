@@ -375,10 +375,11 @@ class Auditor(Ledger, PoolWrappers):
     def _stale_kv(self, pool: str, slots, message: str) -> None:
         # report(pool, slots, message), called by the target's install_shadow: slots any integer array-like
         slots = np.asarray(slots.cpu() if isinstance(slots, torch.Tensor) else slots).ravel()
-        if pool not in self.shadow.tags or not slots.size or slots.dtype.kind not in "iu":
+        n = self.shadow.tags[pool].size if pool in self.shadow.tags else 0
+        if not (n and slots.size and slots.dtype.kind in "iu" and 0 <= slots.min() and slots.max() < n):
             raise TargetDefinitionError(f"{self._shadow_by}'s report(pool, slots, message) takes a pool of kv_pools() "
-                                        f"({', '.join(self.shadow.tags)}) and the token slots read wrong, integers, "
-                                        f"got {json_value(pool)} and {json_value(slots.tolist(), 80)}")
+                                        f"({', '.join(self.shadow.tags)}) and the token slots read wrong, integers "
+                                        f"in [0, its size), got {json_value(pool)} and {json_value(slots.tolist(), 80)}")
         slots = slots.astype(np.int64, copy=False)
         led = self.ledgers[pool]
         ps = led.spec.page_size
