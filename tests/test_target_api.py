@@ -509,6 +509,27 @@ def test_a_plugins_shadow_finds_the_early_free_a_later_prefill_overwrites(tmp_pa
     assert "req:r1 reads KV written for another token prefix" in r.output, r.output
 
 
+class KvOfTheDefaultSize(ReadsUnwritten):
+    def kv_pools(self):
+        return {"rows": 48}  # (the default config's size, whatever this config's)
+
+
+def test_kv_pools_is_checked_for_each_plugin_config_not_only_the_first(badtoy):
+    """kv_pools() was checked once per target class: a second config whose pool outgrew it passed, and its
+    first read past slot 47 raised IndexError in the shadow, reported as the engine's crash."""
+    config = BadToyConfig(preset="reads-unwritten")
+    make_target(config).close()  # (the class's reads checked, once)
+    BAD["kv-of-the-default-size"] = (KvOfTheDefaultSize, "")
+    try:
+        make_target(BadToyConfig(preset="kv-of-the-default-size")).close()  # 48 slots for 48: right
+        with pytest.raises(registry.TargetDefinitionError, match=re.escape(
+                "target badtoy: KvOfTheDefaultSize.kv_pools() must return {declared pool: its size in token slots, "
+                'an int >= (num_units + 1) * page_size}, got {"rows": 48}')):
+            make_target(BadToyConfig(preset="kv-of-the-default-size", size=96))
+    finally:
+        del BAD["kv-of-the-default-size"]
+
+
 def test_a_root_of_an_undeclared_pool_met_mid_run_is_not_an_engine_crash(badtoy, tmp_path):
     """The check at build sees no roots (a fresh engine holds none): the oracle meets it at the first
     step with a live request, and it is the target's error, not a crash finding."""

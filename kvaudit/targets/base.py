@@ -529,12 +529,20 @@ def _check_reads(target, cls: type, specs, bad) -> None:
         bad(f"{cls.__name__}.accounting() must return {{declared pool: Accounting}}, got {json_value(acc, 80)}")
     if not isinstance(verdict, list) or not all(isinstance(x, str) for x in verdict):
         bad(f"{cls.__name__}.engine_check() must return a list of strings, got {json_value(verdict, 80)}")
+    wrong = _kv_pools_problem(target, specs)
+    if wrong:
+        bad(wrong)
+    _checked.add(cls)
+
+
+def _kv_pools_problem(target, specs) -> str | None:
+    # kv_pools() not {declared pool: int token slots, enough for its units}: what is wrong; None when nothing
     slots = {s.name: (s.num_units + 1) * s.page_size for s in specs}
     kv = target.kv_pools()
-    if not isinstance(kv, dict) or not all(p in slots and _int(n) and n >= slots[p] for p, n in kv.items()):
-        bad(f"{cls.__name__}.kv_pools() must return {{declared pool: its size in token slots, an int >= (num_units + 1)"
-            f" * page_size}}, got {json_value(kv, 80)}")
-    _checked.add(cls)
+    if isinstance(kv, dict) and all(p in slots and _int(n) and n >= slots[p] for p, n in kv.items()):
+        return None
+    return (f"{type(target).__name__}.kv_pools() must return {{declared pool: its size in token slots, an int >= "
+            f"(num_units + 1) * page_size}}, got {json_value(kv, 80)}")
 
 
 #: every term an identity may name (:meth:`Target.identity_terms`)
@@ -587,7 +595,8 @@ def _read_rules(pools: dict) -> dict:
 def check_reads_always(target, kind: str) -> None:
     """For a kind that is not built in (a plugin): check every read the run makes, not only the fresh
     engine's (which holds no request, so :func:`check_target` sees empty roots and the first counters):
-    each ``roots()`` a list of :class:`Root` with ``[n]`` integer numpy ``units`` in ``[1, num_units]`` of
+    ``kv_pools()`` of this build's pools (checked once per target class by :func:`check_target`), each
+    ``roots()`` a list of :class:`Root` with ``[n]`` integer numpy ``units`` in ``[1, num_units]`` of
     its declared pool (0 is reserved), and each of :func:`_read_rules`' methods the class overrides (a
     default keeps the API) what its rule says. A mistake met mid-run raises
     :class:`kvaudit.targets.registry.TargetDefinitionError` naming ``kind``, the method and the value,
@@ -596,8 +605,12 @@ def check_reads_always(target, kind: str) -> None:
     checked by their tests, skip the cost)."""
     from kvaudit.targets.registry import TargetDefinitionError
 
-    sizes = {s.name: int(s.num_units) for s in target.pools()}
+    specs = target.pools()
+    sizes = {s.name: int(s.num_units) for s in specs}
     cls = type(target)
+    wrong = _kv_pools_problem(target, specs)  # (per build: a config may size its pools otherwise)
+    if wrong:
+        raise TargetDefinitionError(f"target {kind}: {wrong}")
     name, read = cls.__name__, target.roots
 
     def roots(*args, **kwargs):
