@@ -365,6 +365,9 @@ class ReadsUnwritten(rowtoy_plugin.RowToyTarget):
     def kv_pools(self):
         return {"rows": self.config.size}
 
+    def reported(self, slots):
+        return slots.tolist()
+
     def install_shadow(self, shadow, wrap, report):
         step = self.engine.step
 
@@ -373,7 +376,7 @@ class ReadsUnwritten(rowtoy_plugin.RowToyTarget):
             for r in self.engine.running:
                 bad = shadow.read("rows", r.rows, shadow.request_tags(r, list(range(r.rows.size))))
                 if bad is not None:
-                    report(self.REPORT_POOL, r.rows[bad[0]].tolist(), f"req:{r.rid} reads KV {bad[1]}")
+                    report(self.REPORT_POOL, self.reported(r.rows[bad[0]]), f"req:{r.rid} reads KV {bad[1]}")
 
         wrap(self.engine, "step", checked_step)
 
@@ -385,18 +388,8 @@ class ReportsAnUndeclaredPool(ReadsUnwritten):
 class ReportsPastThePool(ReadsUnwritten):
     """Reports token slots past its kv_pools() size: was 'Engine crash: IndexError', exit 1."""
 
-    def kv_pools(self):
-        return {"rows": self.config.size}
-
-    def install_shadow(self, shadow, wrap, report):
-        step = self.engine.step
-
-        def checked_step():
-            step()
-            for r in self.engine.running:
-                report("rows", r.rows + self.config.size, f"req:{r.rid} reads KV never written")
-
-        wrap(self.engine, "step", checked_step)
+    def reported(self, slots):
+        return slots + self.config.size
 
 
 BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but its RowPool has no available_size()'),
