@@ -19,6 +19,7 @@ from kvaudit.targets.base import Accounting, PoolSpec, Root, Target, TargetFindi
 
 registry.kinds()  # the built-ins register first, as in a command's run
 import rowtoy_plugin  # noqa: E402  (registers the kind "rowtoy" in this process)
+import pagetoy_plugin  # noqa: E402  (registers "pagetoy": docs/writing-a-target.md's stale-KV shadow)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -328,6 +329,69 @@ class ListRoots(rowtoy_plugin.RowToyTarget):
         return [Root("rowz", f"req:{r.rid}", r.rows) for r in self.engine.running]
 
 
+class KvTensorsShadow(rowtoy_plugin.RowToyTarget):
+    """Follows base.py's old kv_pools docstring ("the KV tensors, {pool: (k, v)}") and tags its running
+    requests' rows each step: the shadow's tags came out [48, 48], and the first write was 'Engine crash:
+    ValueError: shape mismatch', blamed on the target's own step, exit 1."""
+
+    def kv_pools(self):
+        return {"rows": (self.config.size, self.config.size)}
+
+    def install_shadow(self, shadow, wrap, report):
+        step = self.engine.step
+
+        def tagged_step():
+            step()
+            for r in self.engine.running:
+                tags = shadow.request_tags(r, list(range(r.rows.size)))
+                shadow.write("rows", r.rows, tags)
+                if shadow.read("rows", r.rows, tags) is not None:
+                    report("rows", r.rows, f"req:{r.rid} reads another's KV")
+
+        wrap(self.engine, "step", tagged_step)
+
+
+class KvOfAnUndeclaredPool(KvTensorsShadow):
+    def kv_pools(self):
+        return {"kv": self.config.size}
+
+
+class ReadsUnwritten(rowtoy_plugin.RowToyTarget):
+    """A shadow that checks each running request's rows after each step and writes none of them, so every
+    read is stale ('never written'); it reports the slots as a list of ints (``REPORT_POOL``'s)."""
+
+    REPORT_POOL = "rows"
+
+    def kv_pools(self):
+        return {"rows": self.config.size}
+
+    def reported(self, slots):
+        return slots.tolist()
+
+    def install_shadow(self, shadow, wrap, report):
+        step = self.engine.step
+
+        def checked_step():
+            step()
+            for r in self.engine.running:
+                bad = shadow.read("rows", r.rows, shadow.request_tags(r, list(range(r.rows.size))))
+                if bad is not None:
+                    report(self.REPORT_POOL, self.reported(r.rows[bad[0]]), f"req:{r.rid} reads KV {bad[1]}")
+
+        wrap(self.engine, "step", checked_step)
+
+
+class ReportsAnUndeclaredPool(ReadsUnwritten):
+    REPORT_POOL = "kv"
+
+
+class ReportsPastThePool(ReadsUnwritten):
+    """Reports token slots past its kv_pools() size: was 'Engine crash: IndexError', exit 1."""
+
+    def reported(self, slots):
+        return slots + self.config.size
+
+
 BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but its RowPool has no available_size()'),
        "misspelt-kind": (MisspeltKind, 'pool "rows" declares kind "row"; the pool kinds are kv, rows, blocks'),
        "blocks-without-install": (BlocksWithoutInstall, 'pool "rows" is a "blocks" pool, which has no standard '
@@ -337,7 +401,21 @@ BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but it
        "pool-named-twice": (TwoRows, 'TwoRows.pools() must name each pool once with a non-empty string, got ["rows", '
                                      '"rows"]'),
        "no-engine-check": (NoEngineCheck, "NoEngineCheck does not define engine_check(), required of every target"),
-       "undeclared-root-pool": (ListRoots, 'a root of req:r1 names pool "rowz", which its pools() does not declare')}
+       "undeclared-root-pool": (ListRoots, 'a root of req:r1 names pool "rowz", which its pools() does not declare'),
+       "kv-tensors-shadow": (KvTensorsShadow, "KvTensorsShadow.kv_pools() must return {declared pool: its size in "
+                                              'token slots, an int >= (num_units + 1) * page_size}, got {"rows": '
+                                              "[48, 48]}"),
+       "kv-of-an-undeclared-pool": (KvOfAnUndeclaredPool, "KvOfAnUndeclaredPool.kv_pools() must return {declared "
+                                                          "pool: its size in token slots"),
+       "reads-unwritten": (ReadsUnwritten, "(none: a stale read reported with its slots as a list)"),
+       "report-of-an-undeclared-pool": (ReportsAnUndeclaredPool, "ReportsAnUndeclaredPool.install_shadow's report(pool, "
+                                                                  "slots, message) takes a pool of kv_pools() (rows) "
+                                                                  'and the token slots read wrong, integers in [0, its '
+                                                                  'size), got "kv" and [1'),
+       "report-past-the-pool": (ReportsPastThePool, "ReportsPastThePool.install_shadow's report(pool, slots, message) "
+                                                    "takes a pool of kv_pools() (rows) and the token slots read wrong, "
+                                                    "integers in [0, its size), got \"rows\" and [49"),
+       }
 
 
 @pytest.fixture
@@ -350,7 +428,8 @@ def badtoy():
     registry._KINDS.pop("badtoy")
 
 
-@pytest.mark.parametrize("preset", [p for p in BAD if p != "undeclared-root-pool"])
+@pytest.mark.parametrize("preset", [p for p in BAD if p not in ("undeclared-root-pool", "reads-unwritten",
+                                                                 "report-of-an-undeclared-pool", "report-past-the-pool")])
 def test_a_targets_declaration_mistake_is_one_line_exit_2_naming_the_kind(preset, badtoy, tmp_path):
     """KvKindOnRows was 'Engine crash: AttributeError: 'RowPool' object has no attribute
     'available_size'', blamed on the engine's own alloc line, exit 1."""
@@ -360,6 +439,88 @@ def test_a_targets_declaration_mistake_is_one_line_exit_2_naming_the_kind(preset
     line = one_error_line(r)
     assert line.startswith(f"kvaudit: error: target badtoy: {BAD[preset][1]}"), line
     assert os.listdir(tmp_path) == [] or not any(n.endswith(".json") for n in os.listdir(tmp_path))
+
+
+def test_a_shadow_reports_a_stale_read_with_its_slots_as_any_integer_sequence(badtoy, tmp_path):
+    """report(pool, slots, message) with slots as a list of ints was 'Engine crash: TypeError: unsupported
+    operand type(s) for //: 'list' and 'int'' (the auditor divided the slots by the page size), exit 1."""
+    r = invoke("fuzz", "--target", "badtoy", "--preset", "reads-unwritten", "--fuzzer", "random", "--max-time", "5",
+               "--out", str(tmp_path))
+    assert r.exit_code == 1, r.output + r.stderr
+    assert "signature: stale-kv/rows/" in r.output and "/unwritten" in r.output, r.output
+    assert "Engine crash" not in r.output, r.output
+    # a report naming a pool the shadow does not cover was 'Engine crash: KeyError: 'kv'', one of slots past the
+    # pool 'Engine crash: IndexError', exit 1 both
+    for preset in ("report-of-an-undeclared-pool", "report-past-the-pool"):
+        r = invoke("fuzz", "--target", "badtoy", "--preset", preset, "--fuzzer", "random", "--max-time", "5",
+                   "--out", str(tmp_path / preset))
+        assert r.exit_code == 2, r.output + r.stderr
+        last = r.stderr.strip().splitlines()[-1]  # met running, after the run's first lines
+        assert last.startswith(f"kvaudit: error: target badtoy: {BAD[preset][1]}"), last
+        assert "Traceback" not in r.output + r.stderr and "crash" not in r.output
+
+
+def test_fuzz_s_replay_command_carries_its_suppressions(badtoy, tmp_path):
+    """A toy plugin's stale read found past suppressed use-after-frees printed 'kvaudit replay FILE' without
+    the run's --suppress: that replay stopped at the first use-after-free, 'recorded signature(s) reproduced:
+    no'. The hint now carries the rules, and running it reproduces the file's finding."""
+    rules = tmp_path / "known.toml"
+    rules.write_text('[[suppress]]\nkind = "leak"\nreason = "known"\n')
+    r = invoke("fuzz", "--target", "badtoy", "--preset", "reads-unwritten", "--fuzzer", "random", "--max-time", "5",
+               "--suppress", str(rules), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 1, r.output + r.stderr
+    (hint,) = re.findall(r"^replay file: .*\((.*)\)$", r.output, re.M)
+    assert hint.startswith("kvaudit replay ") and hint.endswith(f" --suppress {rules}"), hint
+    again = invoke(*hint.split()[1:])
+    assert again.exit_code == 1 and "recorded signature(s) reproduced: yes" in again.output, again.output
+
+
+def test_a_plugins_shadow_finds_the_early_free_a_later_prefill_overwrites(tmp_path):
+    """docs/writing-a-target.md's 'Reads: stale KV', run: an early free whose page the next prefill takes is
+    stale-kv at the read (its signature names the free), with the shadow; without it, ownership alone sees
+    the use-after-free only at a step a check runs, and a search's sparse schedule passes it unseen."""
+    from kvaudit.audit.runner import AuditedRun
+    from kvaudit.program import Step, Submit
+
+    program = [Submit(family=0, prompt_len=3, max_new_tokens=3), Step(n=2),
+               Submit(family=1, prompt_len=25, max_new_tokens=2), Step(n=6)]
+
+    def search(preset):  # a search's schedule: a full check every 16 steps and at the end
+        with AuditedRun(pagetoy_plugin.PRESETS[preset].config(bugs={"early-free"}), check_every=16) as run:
+            return next((found for found in map(run.apply, program) if found), None) or run.finish()
+
+    assert search("pagetoy-roots") == []
+    assert search("pagetoy-tight")
+    path = tmp_path / "early-free.json"
+    replay.write_atomic(str(path), replay.to_doc(pagetoy_plugin.PRESETS["pagetoy-tight"].config(bugs={"early-free"}),
+                                                 program, []))
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[suppress]]\nkind = "use-after-free"\nreason = "the read, not the roots"\n')
+    r = invoke("replay", str(path), "--suppress", str(rules))
+    assert r.exit_code == 1, r.output + r.stderr
+    assert "signature: stale-kv/pages/freed:step@pagetoy_plugin.py" in r.output, r.output
+    assert "req:r1 reads KV written for another token prefix" in r.output, r.output
+
+
+class KvOfTheDefaultSize(ReadsUnwritten):
+    def kv_pools(self):
+        return {"rows": 48}  # (the default config's size, whatever this config's)
+
+
+def test_kv_pools_is_checked_for_each_plugin_config_not_only_the_first(badtoy):
+    """kv_pools() was checked once per target class: a second config whose pool outgrew it passed, and its
+    first read past slot 47 raised IndexError in the shadow, reported as the engine's crash."""
+    config = BadToyConfig(preset="reads-unwritten")
+    make_target(config).close()  # (the class's reads checked, once)
+    BAD["kv-of-the-default-size"] = (KvOfTheDefaultSize, "")
+    try:
+        make_target(BadToyConfig(preset="kv-of-the-default-size")).close()  # 48 slots for 48: right
+        with pytest.raises(registry.TargetDefinitionError, match=re.escape(
+                "target badtoy: KvOfTheDefaultSize.kv_pools() must return {declared pool: its size in token slots, "
+                'an int >= (num_units + 1) * page_size}, got {"rows": 48}')):
+            make_target(BadToyConfig(preset="kv-of-the-default-size", size=96))
+    finally:
+        del BAD["kv-of-the-default-size"]
 
 
 def test_a_root_of_an_undeclared_pool_met_mid_run_is_not_an_engine_crash(badtoy, tmp_path):

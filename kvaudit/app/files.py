@@ -126,10 +126,12 @@ def write_finding(out_dir, config, program, findings, **extra) -> str:
     return write_replay(path, config, program, findings, **extra)
 
 
-def replay_hint(config, path: str) -> str:
-    """``kvaudit replay PATH`` as a shell line, after this run's ``KVAUDIT_PLUGINS=...`` for a plugin kind."""
+def replay_hint(config, path: str, suppress: str | None = None) -> str:
+    """``kvaudit replay PATH`` as a shell line, after this run's ``KVAUDIT_PLUGINS=...`` for a plugin kind, with
+    the run's ``--suppress FILE`` (without it the replay stops at the first finding the rules hid)."""
     env = registry.plugins_env(registry.kind_of(config).name)
-    return (f"{env} " if env else "") + f"kvaudit replay {shell_quoted(path)}"
+    return ((f"{env} " if env else "") + f"kvaudit replay {shell_quoted(path)}"
+            + (f" --suppress {shell_quoted(suppress)}" if suppress else ""))
 
 
 def shell_quoted(path: str) -> str:

@@ -254,7 +254,7 @@ class _Single:
         except click.ClickException as e:  # a full disk (write_error): the finding still reaches the log
             print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
             raise _with_reports(e, outputs, data, self.err) from None
-        console.print(f"replay file: {shown_path(path)}   ({replay_hint(config, path)})", soft_wrap=True)
+        console.print(f"replay file: {shown_path(path)}   ({replay_hint(config, path, self.suppress_file)})", soft_wrap=True)
         print_shipped_analysis(console, config, crash.findings, path)
         print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
         write_reports(outputs, data, self.err, kept=(path,))

@@ -21,6 +21,8 @@ from kvaudit.audit.ledger import Event, Ledger, PoolLedger
 from kvaudit.audit.locks import LockLedger
 from kvaudit.audit.shadow import ShadowKV
 from kvaudit.audit.wrappers import PoolWrappers
+from kvaudit.config import json_value
+from kvaudit.targets.registry import TargetDefinitionError, kind_name
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -125,6 +127,7 @@ class Auditor(Ledger, PoolWrappers):
         kv = target.kv_pools() if shadow else {}
         if kv:
             self.shadow = ShadowKV(kv)
+            self._shadow_by = f"target {kind_name(target)}: {type(target).__name__}.install_shadow"
             target.install_shadow(self.shadow, self._wrap, self._stale_kv)
 
     # NOTE: setting ``step`` again to the same value (when the runner checks) closes the lock ledger's
@@ -369,7 +372,15 @@ class Auditor(Ledger, PoolWrappers):
         f.slots = s.tolist()
         self.pending.append(f)
 
-    def _stale_kv(self, pool: str, slots: np.ndarray, message: str) -> None:
+    def _stale_kv(self, pool: str, slots, message: str) -> None:
+        # report(pool, slots, message), called by the target's install_shadow: slots any integer array-like
+        slots = np.asarray(slots.cpu() if isinstance(slots, torch.Tensor) else slots).ravel()
+        n = self.shadow.tags[pool].size if pool in self.shadow.tags else 0
+        if not (n and slots.size and slots.dtype.kind in "iu" and 0 <= slots.min() and slots.max() < n):
+            raise TargetDefinitionError(f"{self._shadow_by}'s report(pool, slots, message) takes a pool of kv_pools() "
+                                        f"({', '.join(self.shadow.tags)}) and the token slots read wrong, integers "
+                                        f"in [0, its size), got {json_value(pool)} and {json_value(slots.tolist(), 80)}")
+        slots = slots.astype(np.int64, copy=False)
         led = self.ledgers[pool]
         ps = led.spec.page_size
         f = self._unit_finding("stale-kv", pool, np.unique(slots // ps), message)
@@ -377,7 +388,6 @@ class Auditor(Ledger, PoolWrappers):
             f.slots = sorted(set(slots.tolist()))
         f.read_sites = self.site(self.capture_site())
         # the cause, for the signature (docs/internals/audit.md, shadow KV tags)
-        slots = np.asarray(slots, dtype=np.int64)
         written = slots[self.shadow.tags[pool][slots] != 0] if self.shadow is not None else slots[:0]
         if written.size:
             ev = int(led.last_free[written[0] // ps])

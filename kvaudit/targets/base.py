@@ -61,7 +61,9 @@ class Root:
 
 @dataclass
 class Accounting:
-    """The engine's own counters for one pool, in tokens (rows for a row pool)."""
+    """The engine's own counters for one pool, in tokens: units times the pool's ``page_size``, for every
+    pool kind (kvaudit's ``uncached`` and ``referenced`` terms count so; a row pool of ``page_size`` 1
+    counts rows)."""
 
     available: int
     evictable: int
@@ -261,12 +263,18 @@ class Target:
         caches more than it committed (tokens). Default: not checked."""
 
     def kv_pools(self) -> dict:
-        """The KV tensors the stale-KV shadow covers, ``{pool: (k, v)}``; ``{}`` (default): no shadow."""
+        """The pools whose KV content the stale-KV shadow covers, ``{declared pool: its size in token
+        slots}`` (an int, at least ``(num_units + 1) * page_size``: slot ``unit * page_size + offset``);
+        ``{}`` (default): no shadow (reads)."""
         return {}
 
     def install_shadow(self, shadow, wrap, report) -> None:
         """Wrap KV writes and reads for the stale-KV shadow (called only when :meth:`kv_pools` is not
-        empty). Default: nothing."""
+        empty): tell ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`) each write of token slots
+        (``shadow.write(pool, slots, tags)``, the tags of the writer's prefixes from
+        ``shadow.request_tags(request, prompt, output)``), check each read (``shadow.read(pool, slots,
+        tags)``) and call ``report(pool, slots, message)`` with the slots a read found wrong; ``wrap(obj,
+        name, fn)`` replaces an engine method, as for :meth:`install_pool`. Default: nothing."""
 
     def crash_cause(self) -> TargetFinding | None:
         """After the engine raised: one of the target's own invariants the state now breaks, naming the
@@ -445,8 +453,9 @@ def check_target(target, kind: str, once: bool = False) -> None:
     distinct names, positive ``page_size`` and ``num_units``, a kind of :data:`POOL_KINDS` whose API the
     pool object has when the default ``install_pool`` wraps it (``"blocks"`` and a kind of the target's
     own need its own); on the fresh engine, ``roots()`` a list of :class:`Root` of declared pools with
-    ``[n]`` integer numpy ``units``, ``accounting()`` a dict of declared pool -> :class:`Accounting` and
-    ``engine_check()`` a list of strings (the reads once per target class). ``once`` (the built-in kinds,
+    ``[n]`` integer numpy ``units``, ``accounting()`` a dict of declared pool -> :class:`Accounting`,
+    ``engine_check()`` a list of strings and ``kv_pools()`` a dict of declared pool -> its size in token
+    slots (the reads once per target class). ``once`` (the built-in kinds,
     whose tests check them): the pools too only once per target class and pools' shape (names, kinds,
     sizes, the pool objects' types), not for every target built. Raises
     :class:`kvaudit.targets.registry.TargetDefinitionError`, one line naming ``kind`` and the problem."""
@@ -499,13 +508,14 @@ def check_target(target, kind: str, once: bool = False) -> None:
                 f"(a {json_value(s.kind)} pool's API: {', '.join(api)}" + (", alloc" if s.kind == "kv" else "")
                 + "); declare the kind it is, or wrap it in install_pool")
     if cls not in _checked:
-        _check_reads(target, cls, names, bad)
+        _check_reads(target, cls, specs, bad)
     if once:
         _checked.add(shape)
 
 
-def _check_reads(target, cls: type, names: list[str], bad) -> None:
+def _check_reads(target, cls: type, specs, bad) -> None:
     # check_target's reads of the fresh engine (once per target class)
+    names = [s.name for s in specs]
     roots, acc, verdict = target.roots(), target.accounting(), target.engine_check()
     if not isinstance(roots, (list, tuple)) or not all(isinstance(r, Root) for r in roots):
         bad(f"{cls.__name__}.roots() must return a list of Root, got {json_value(roots, 80)}")
@@ -519,7 +529,20 @@ def _check_reads(target, cls: type, names: list[str], bad) -> None:
         bad(f"{cls.__name__}.accounting() must return {{declared pool: Accounting}}, got {json_value(acc, 80)}")
     if not isinstance(verdict, list) or not all(isinstance(x, str) for x in verdict):
         bad(f"{cls.__name__}.engine_check() must return a list of strings, got {json_value(verdict, 80)}")
+    wrong = _kv_pools_problem(target, specs)
+    if wrong:
+        bad(wrong)
     _checked.add(cls)
+
+
+def _kv_pools_problem(target, specs) -> str | None:
+    # kv_pools() not {declared pool: int token slots, enough for its units}: what is wrong; None when nothing
+    slots = {s.name: (s.num_units + 1) * s.page_size for s in specs}
+    kv = target.kv_pools()
+    if isinstance(kv, dict) and all(p in slots and _int(n) and n >= slots[p] for p, n in kv.items()):
+        return None
+    return (f"{type(target).__name__}.kv_pools() must return {{declared pool: its size in token slots, an int >= "
+            f"(num_units + 1) * page_size}}, got {json_value(kv, 80)}")
 
 
 #: every term an identity may name (:meth:`Target.identity_terms`)
@@ -572,7 +595,8 @@ def _read_rules(pools: dict) -> dict:
 def check_reads_always(target, kind: str) -> None:
     """For a kind that is not built in (a plugin): check every read the run makes, not only the fresh
     engine's (which holds no request, so :func:`check_target` sees empty roots and the first counters):
-    each ``roots()`` a list of :class:`Root` with ``[n]`` integer numpy ``units`` in ``[1, num_units]`` of
+    ``kv_pools()`` of this build's pools (checked once per target class by :func:`check_target`), each
+    ``roots()`` a list of :class:`Root` with ``[n]`` integer numpy ``units`` in ``[1, num_units]`` of
     its declared pool (0 is reserved), and each of :func:`_read_rules`' methods the class overrides (a
     default keeps the API) what its rule says. A mistake met mid-run raises
     :class:`kvaudit.targets.registry.TargetDefinitionError` naming ``kind``, the method and the value,
@@ -581,8 +605,12 @@ def check_reads_always(target, kind: str) -> None:
     checked by their tests, skip the cost)."""
     from kvaudit.targets.registry import TargetDefinitionError
 
-    sizes = {s.name: int(s.num_units) for s in target.pools()}
+    specs = target.pools()
+    sizes = {s.name: int(s.num_units) for s in specs}
     cls = type(target)
+    wrong = _kv_pools_problem(target, specs)  # (per build: a config may size its pools otherwise)
+    if wrong:
+        raise TargetDefinitionError(f"target {kind}: {wrong}")
     name, read = cls.__name__, target.roots
 
     def roots(*args, **kwargs):
