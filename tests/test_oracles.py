@@ -616,6 +616,24 @@ def test_a_request_that_stops_making_progress_is_a_liveness_finding(make_run, mo
     assert found[0].signature == "liveness/-/progress/running:holds-kv"  # where it sits, what it is
 
 
+@pytest.mark.parametrize("abort", [False, True])
+def test_a_request_the_idle_engine_holds_nowhere_is_a_liveness_finding(make_run, abort):
+    """A retraction that releases a request and never queues it again (the mutant retract-requeue-lost of
+    benchmarks/mutants.py) loses it: it holds nothing and the engine goes idle, so no leak, no hang, and it
+    never made 300 steps without progress; it was never answered. Aborted first, the same."""
+    run = started(make_run, "default", 1, n_reqs=2, steps=2)  # both decoding in the running batch
+    eng = run.target.engine
+    if abort:
+        run.target.aborted.add(live_req(run).rid)
+    req = live_req(run)
+    eng.release_req(req)  # released as a retraction, then dropped instead of queued again
+    eng.running_batch.remove(req)
+    found = run.apply(Idle())
+    assert kinds(found) == ["liveness"]
+    assert f"req:{req.rid} (lost:" in found[0].message and "never answered" in found[0].message
+    assert found[0].signature == "liveness/-/progress/-:lost"
+
+
 def test_lock_balance_is_checked_at_idle_only(make_run):
     """A lock taken and held by a live request balances; an unbalanced lock shows once idle."""
     run = started(make_run, "default", 1)
