@@ -755,6 +755,24 @@ def test_memory_held_by_open_sessions_stalls_idle_without_a_hang(make_run):
     assert run.target.engine.waiting_queue  # still waiting: stalled, and reported as nothing
 
 
+def test_a_close_the_engine_never_completes_is_a_hang(make_run):
+    """An abort of a waiting turn that leaves its session marked in flight (the mutant session-abort-keeps-turn
+    of benchmarks/mutants.py) defers the client's close for ever: the closed session keeps its record and KV,
+    which the session root hid, and the engine went idle. idle() now waits for the close to complete."""
+    from kvaudit.program import CloseSession, OpenSession
+    run = make_run("streaming-session")
+    for op in [OpenSession(), Submit(family=0, prompt_len=8, max_new_tokens=2, session=0), Idle()]:
+        assert run.apply(op) == []
+    sc = run.target.engine.session_controller
+    (session,) = sc.sessions.values()
+    session.inflight = True  # as an abort that skipped _end_session_turn leaves it
+    assert run.apply(CloseSession(0)) == []
+    found = run.apply(Idle())
+    assert kinds(found) == ["hang"]
+    assert found[0].signature == "hang/-/idle/session:close-deferred"
+    assert f"session {session.session_id} closed by the client, its close never completed" in found[0].message
+
+
 def test_a_session_record_whose_session_is_gone_is_a_leaked_record(make_run):
     """kvaudit's own ledger of session records: a slot nobody can close any more leaks."""
     from kvaudit.program import OpenSession

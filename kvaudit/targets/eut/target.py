@@ -325,7 +325,7 @@ class EutTarget(EutObserver):
         eng = self.engine
         if self._scheduler_paused:
             return {}
-        if self.is_idle():  # (the tokenizer's held requests are not sent yet: not in live_rids())
+        if self._idle():  # (the tokenizer's held requests are not sent yet: not in live_rids())
             return dict.fromkeys(self.live_rids(), LOST)
         out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) + len(r.future_ids) for r in eng.requests_owning_rows()}
         if self.aborted:  # live_rids() walks the finished outputs: only when an abort was sent
@@ -404,4 +404,9 @@ class EutTarget(EutObserver):
         self.engine.step()
 
     def is_idle(self) -> bool:
-        return self.engine.is_fully_idle() and not self.engine.recv_queue
+        """The engine is fully idle, has no message to take in, and has completed every close the client
+        sent (a close deferred while a turn runs completes at the intake after the turn ends)."""
+        return self._idle()
+
+    def _idle(self) -> bool:  # (progress() reads it too: is_idle() is asked once a step, by the runner only)
+        return self.engine.is_fully_idle() and not self.engine.recv_queue and not self._closing()
