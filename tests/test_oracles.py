@@ -616,6 +616,24 @@ def test_a_request_that_stops_making_progress_is_a_liveness_finding(make_run, mo
     assert found[0].signature == "liveness/-/progress/running:holds-kv"  # where it sits, what it is
 
 
+@pytest.mark.parametrize("abort", [False, True])
+def test_a_request_the_idle_engine_holds_nowhere_is_a_liveness_finding(make_run, abort):
+    """A retraction that releases a request and never queues it again (the mutant retract-requeue-lost of
+    benchmarks/mutants.py) loses it: it holds nothing and the engine goes idle, so no leak, no hang, and it
+    never made 300 steps without progress; it was never answered. Aborted first, the same."""
+    run = started(make_run, "default", 1, n_reqs=2, steps=2)  # both decoding in the running batch
+    eng = run.target.engine
+    if abort:
+        run.target.aborted.add(live_req(run).rid)
+    req = live_req(run)
+    eng.release_req(req)  # released as a retraction, then dropped instead of queued again
+    eng.running_batch.remove(req)
+    found = run.apply(Idle())
+    assert kinds(found) == ["liveness"]
+    assert f"req:{req.rid} (lost:" in found[0].message and "never answered" in found[0].message
+    assert found[0].signature == "liveness/-/progress/-:lost"
+
+
 def test_lock_balance_is_checked_at_idle_only(make_run):
     """A lock taken and held by a live request balances; an unbalanced lock shows once idle."""
     run = started(make_run, "default", 1)
@@ -735,6 +753,24 @@ def test_memory_held_by_open_sessions_stalls_idle_without_a_hang(make_run):
     assert run.apply(Submit(family=3, prompt_len=56, max_new_tokens=3)) == []
     assert run.apply(Idle()) == []
     assert run.target.engine.waiting_queue  # still waiting: stalled, and reported as nothing
+
+
+def test_a_close_the_engine_never_completes_is_a_hang(make_run):
+    """An abort of a waiting turn that leaves its session marked in flight (the mutant session-abort-keeps-turn
+    of benchmarks/mutants.py) defers the client's close for ever: the closed session keeps its record and KV,
+    which the session root hid, and the engine went idle. idle() now waits for the close to complete."""
+    from kvaudit.program import CloseSession, OpenSession
+    run = make_run("streaming-session")
+    for op in [OpenSession(), Submit(family=0, prompt_len=8, max_new_tokens=2, session=0), Idle()]:
+        assert run.apply(op) == []
+    sc = run.target.engine.session_controller
+    (session,) = sc.sessions.values()
+    session.inflight = True  # as an abort that skipped _end_session_turn leaves it
+    assert run.apply(CloseSession(0)) == []
+    found = run.apply(Idle())
+    assert kinds(found) == ["hang"]
+    assert found[0].signature == "hang/-/idle/session:close-deferred"
+    assert f"session {session.session_id} closed by the client, its close never completed" in found[0].message
 
 
 def test_a_session_record_whose_session_is_gone_is_a_leaked_record(make_run):

@@ -307,10 +307,11 @@ TABLE: tuple[FindingKind, ...] = (
         labels=(("alloc_sites", "unreleased lock taken at"), ("free_sites", "unmatched release at"))),
     FindingKind(
         "liveness", 7, "Liveness",
-        "A request holding KV, or aborted, made no progress",
+        "A request holding KV, or aborted, made no progress; or one was lost",
         "A request that holds KV memory, or that was aborted, made no progress for the liveness "
         "budget of scheduler steps: a parked request nobody schedules, or an abort that never ends "
-        "its request, keeps its memory forever.",
+        "its request, keeps its memory forever. Or a request was lost: the engine went idle with "
+        "it never answered and held nowhere (a retraction that dropped it instead of queueing it).",
         "warning", ("liveness",),
         lambda f, what, site: f"Liveness: {f.message}",
         signature=_sig_liveness),

@@ -410,7 +410,8 @@ class Target:
 
     def progress(self) -> dict[str, int]:
         """Per live request, a number that grows while it makes progress (the liveness oracle);
-        ``{}`` (default): not checked."""
+        :data:`LOST` for one the engine holds nowhere, never answered (reported at once); ``{}``
+        (default): not checked."""
         return {}
 
     def flushed(self) -> int:
@@ -546,6 +547,8 @@ def _kv_pools_problem(target, specs) -> str | None:
 
 
 #: every term an identity may name (:meth:`Target.identity_terms`)
+LOST = -2  # Target.progress(): a request sent, never answered, that the engine holds nowhere
+
 IDENTITY_TERMS = ("available", "evictable", "protected", "session_held", "uncached", "referenced")
 
 

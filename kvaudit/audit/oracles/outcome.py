@@ -12,6 +12,7 @@ import traceback
 from kvaudit.audit import memstate
 from kvaudit.audit.findings import KVAUDIT_DIR, Finding, Site, portable_path
 from kvaudit.audit.oracles.lock_balance import lock_balance
+from kvaudit.targets.base import LOST
 
 MAX_IDLE_STEPS = 2000
 LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
@@ -37,24 +38,26 @@ def quiescence(run) -> list[Finding]:
 
 def liveness(run) -> list[Finding]:
     """``liveness``: a request that holds KV, or was aborted, and makes no progress for
-    LIVENESS_STEPS steps (a parked request nobody schedules, an abort that never ends it)."""
+    LIVENESS_STEPS steps (a parked request nobody schedules, an abort that never ends it); at once, one
+    the target calls :data:`~kvaudit.targets.base.LOST` (never answered, held nowhere)."""
     now, seen = run.target.steps, {}
     for rid, value in run.target.progress().items():
         last = run.last_progress.get(rid)
         seen[rid] = last if last is not None and last[0] == value else (value, now)
     run.last_progress = seen
-    stuck = sorted(rid for rid, (_, since) in seen.items() if now - since >= LIVENESS_STEPS)
+    stuck = sorted(rid for rid, (value, since) in seen.items() if value == LOST or now - since >= LIVENESS_STEPS)
     if not stuck:
         return []
     run.last_progress = {}
-    aborted = seen[stuck[0]][0] < 0
-    what = "aborted, never finished" if aborted else "holds KV"
+    state = "lost" if seen[stuck[0]][0] == LOST else "aborted" if seen[stuck[0]][0] < 0 else "holds-kv"
+    what = {"lost": "lost: never answered, and the engine holds it nowhere", "aborted": "aborted, never finished",
+            "holds-kv": "holds KV"}[state]
     # its signature names where the request sits (Root.where) and what it is, never its id
     where = next((r.where for r in run.target.roots() if r.owner == f"req:{stuck[0]}" and r.where), "")
-    f = Finding(kind="liveness", pool="-", op_index=run.ops_run - 1, step=now,
-                check=f"{where or '-'}:{'aborted' if aborted else 'holds-kv'}",
-                message=f"req:{stuck[0]} ({what}{f', in {where}' if where else ''}) made no progress for "
-                        f"{LIVENESS_STEPS} steps" + (f"; also {', '.join(stuck[1:4])}" if len(stuck) > 1 else ""))
+    f = Finding(kind="liveness", pool="-", op_index=run.ops_run - 1, step=now, check=f"{where or '-'}:{state}",
+                message=f"req:{stuck[0]} ({what}{f', in {where}' if where else ''})"
+                        + ("" if state == "lost" else f" made no progress for {LIVENESS_STEPS} steps")
+                        + (f"; also {', '.join(stuck[1:4])}" if len(stuck) > 1 else ""))
     return attach_engine_verdict(run.target, [f])
 
 

@@ -492,12 +492,22 @@ class EutObserver(Target):
                 "protected": Recount(hpr, "host tree", "host copies of device-resident or pinned nodes")}
         return out, nodes
 
+    def _closing(self) -> list[str]:
+        """Sessions the client closed that the engine still keeps (a close is deferred while a turn of
+        the session runs, and completed at the intake after it ends)."""
+        sc = self.engine.session_controller
+        if sc is None or len(sc.sessions) <= len(self.sessions):  # (asked after every step: no set built)
+            return []
+        return [sid for sid in sc.sessions if sid not in self.sessions]
+
     def describe_busy(self) -> str:
         eng = self.engine
+        closing = self._closing()
         return (f"waiting={len(eng.waiting_queue)} running={len(eng.running_batch)} "
                 f"prealloc={len(eng.disagg_prealloc_queue)} transfer={len(eng.disagg_transfer_queue)} "
                 f"available={eng.token_to_kv_pool_allocator.available_size()} "
-                f"evictable={eng.tree_cache.evictable_size()} protected={eng.tree_cache.protected_size()}")
+                f"evictable={eng.tree_cache.evictable_size()} protected={eng.tree_cache.protected_size()}"
+                + (f"; session {closing[0]} closed by the client, its close never completed" if closing else ""))
 
     def stuck(self) -> str:
         """The first busy structure, from the end of the pipeline back (running, chunked, HiSparse
@@ -506,7 +516,8 @@ class EutObserver(Target):
         an abort: its lock may be what keeps the waiting head out) or ``hicache:write-through``;
         ``waiting:rows``, else ``waiting:memory-locked`` (tree locks hold tokens while nothing runs) or
         ``waiting:memory``; ``transfer:kv-transfer`` (not landed) or ``transfer:hisparse-buffer``;
-        ``prealloc:rows`` or ``prealloc:memory``."""
+        ``prealloc:rows`` or ``prealloc:memory``; ``session:close-deferred`` (a session the client closed
+        that the idle engine still keeps: its record and KV with it)."""
         eng = self.engine
         tree = eng.tree_cache
         locked = "memory-locked" if tree.protected_size() else "memory"
@@ -528,7 +539,9 @@ class EutObserver(Target):
             return "transfer:" + ("hisparse-buffer" if landed else "kv-transfer")
         if eng.disagg_prealloc_queue:
             return "prealloc:" + ("rows" if rows else locked)
-        return "rebootstrap:paused" if eng.held_rebootstrap_reqs else ""
+        if eng.held_rebootstrap_reqs:
+            return "rebootstrap:paused"
+        return "session:close-deferred" if self._closing() else ""
 
     def accounting(self) -> dict[str, Accounting]:
         eng = self.engine

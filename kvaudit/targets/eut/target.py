@@ -10,7 +10,7 @@ from engine_under_test import EngineConfig, Scheduler
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail)
 from kvaudit.program.schema import pick, resolve_submit
-from kvaudit.targets.base import PoolSpec, kv_length_problems
+from kvaudit.targets.base import LOST, PoolSpec, kv_length_problems
 from kvaudit.targets.eut.observer import EutObserver
 
 
@@ -319,10 +319,14 @@ class EutTarget(EutObserver):
     def progress(self) -> dict[str, int]:
         """Per live request that holds KV or was aborted: a number that grows while it makes progress
         (KV positions committed plus tokens sampled; -1 for an aborted request that holds nothing).
-        Empty while the scheduler is paused: nothing is expected to progress."""
+        Once the engine is fully idle, every request sent and not answered is :data:`LOST`: no queue,
+        batch or staging area holds it (a retraction or preemption that dropped it). Empty while the
+        scheduler is paused: nothing is expected to progress."""
         eng = self.engine
         if self._scheduler_paused:
             return {}
+        if self._idle():  # (the tokenizer's held requests are not sent yet: not in live_rids())
+            return dict.fromkeys(self.live_rids(), LOST)
         out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) + len(r.future_ids) for r in eng.requests_owning_rows()}
         if self.aborted:  # live_rids() walks the finished outputs: only when an abort was sent
             for rid in self.aborted.intersection(self.live_rids()):
@@ -400,4 +404,9 @@ class EutTarget(EutObserver):
         self.engine.step()
 
     def is_idle(self) -> bool:
-        return self.engine.is_fully_idle() and not self.engine.recv_queue
+        """The engine is fully idle, has no message to take in, and has completed every close the client
+        sent (a close deferred while a turn runs completes at the intake after the turn ends)."""
+        return self._idle()
+
+    def _idle(self) -> bool:  # (progress() reads it too: is_idle() is asked once a step, by the runner only)
+        return self.engine.is_fully_idle() and not self.engine.recv_queue and not self._closing()
