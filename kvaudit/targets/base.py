@@ -546,9 +546,9 @@ def _kv_pools_problem(target, specs) -> str | None:
             f"(num_units + 1) * page_size}}, got {json_value(kv, 80)}")
 
 
-#: every term an identity may name (:meth:`Target.identity_terms`)
 LOST = -2  # Target.progress(): a request sent, never answered, that the engine holds nowhere
 
+#: every term an identity may name (:meth:`Target.identity_terms`)
 IDENTITY_TERMS = ("available", "evictable", "protected", "session_held", "uncached", "referenced")
 
 
