@@ -9,7 +9,7 @@ from kvaudit.app.configs import require_target
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, EXIT_NOT_REPRODUCED, InputError
 from kvaudit.app.files import check_paths, write_replay
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
-from kvaudit.app.progress import console as make_console
+from kvaudit.app.progress import MinimizeProgress, console as make_console
 from kvaudit.app.replay import load_replay
 from kvaudit.config import shown_path
 from kvaudit.audit.runner import execute
@@ -43,7 +43,8 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     catch_sigint()
     small = None
     try:
-        small = minimize(config, program, signature, fresh())
+        with MinimizeProgress(err, "minimizing", len(program)) as progress:
+            small = minimize(config, program, signature, fresh(), on_run=progress)
         confirmations = confirm(config, small, signature, suppressions=fresh())
     except TargetDefinitionError:  # (a ValueError: the target's mistake a smaller program met, exit 2)
         raise
