@@ -418,6 +418,24 @@ def test_a_signal_during_kvaudit_minimize_writes_the_smallest_program_so_far(tmp
     assert doc["minimized"] is False and doc["minimized_from"] == src
 
 
+def test_the_replay_after_a_signal_during_kvaudit_minimize_shows_its_progress(tmp_path, launch):
+    """Tester tm65: Ctrl-C at 40 s into minimizing a 3,004-op program was followed by 15 s of silence (the
+    smallest program so far, still 3,004 ops, replayed before it is written; a second Ctrl-C is ignored then).
+    That replay shows its progress as `replay` does (every line here: the interval is 0)."""
+    config, padded, findings = padded_program()
+    src = str(tmp_path / "padded.json")
+    replay.write_atomic(src, replay.to_doc(config, padded, findings))
+    every_line = "\nimport kvaudit.app.progress as p\np.PROGRESS_INTERVAL = 0.0\n"
+    run = launch(["minimize", src], hold=HOLD_MINIMIZER + every_line)
+    run.wait_for("TEST-HOLD")
+    code, stdout, stderr = run.finish(signal.SIGINT)
+    assert code == 130 and "Traceback" not in stderr, stderr
+    (small, _, _), = [(int(n), int(t), d) for n, t, d in re.findall(
+        r"^\[\s*[\d.]+s\] replaying the smallest program so far: ops=(\d+)/(\d+) steps=\d+ ops/s=\d+ (done)$",
+        stderr, flags=re.M)]
+    assert small == len(replay.load(str(tmp_path / "padded.min.json"))[1]) < len(padded), stderr
+
+
 # -- a full disk ---------------------------------------------------------------------------------------
 
 def full_disk_for(monkeypatch, *suffixes):

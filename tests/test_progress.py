@@ -1,9 +1,10 @@
 """What a command shows while it runs off a terminal (kvaudit.app.progress): the fuzz status line's
-coverage field, and the progress of a long replay."""
+coverage field, and the progress of a long replay and of a minimization."""
 
+import os
 import re
 
-from cli_helpers import invoke
+from cli_helpers import ROOT, invoke
 
 from kvaudit import replay
 from kvaudit.app import progress
@@ -187,3 +188,20 @@ def test_a_columns_too_long_to_be_a_width_is_read_as_unset(monkeypatch):
         assert progress._columns() == 120
     monkeypatch.setenv("COLUMNS", "999999")
     assert progress._columns() == 999999
+
+
+def test_a_long_minimization_shows_its_progress_off_a_terminal(tmp_path, monkeypatch):
+    """Tester tm65: `kvaudit minimize` of a 3,004-op program printed nothing for 49 s between its first line and
+    its result. (The hisparse leak's 2 ops behind 40 idle steps here, with a short interval.)"""
+    name = os.path.join(ROOT, "corpora", "regressions", "hisparse-prebuilt-skip-finish.json")
+    config, program, recorded, _ = replay.load(name)
+    path, out = tmp_path / "padded.json", tmp_path / "padded.min.json"
+    replay.write_atomic(str(path), replay.to_doc(config, [Step(n=1)] * 40 + program, recorded))
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL", 0.0)
+    r = invoke("minimize", str(path), "-o", str(out))
+    assert r.exit_code == 0, r.output + r.stderr
+    lines = re.findall(r"^\[\s*[\d.]+s\] minimizing: runs=(\d+) smallest=(\d+)/42 ops( done)?$", r.stderr, flags=re.M)
+    assert len(lines) > 5, r.stderr
+    runs, smallest = [int(n) for n, _, _ in lines], [int(s) for _, s, _ in lines]
+    assert runs == sorted(runs) and smallest == sorted(smallest, reverse=True), lines
+    assert smallest[-1] == len(program) and lines[-1][2] == " done" and "\x1b" not in r.stderr

@@ -9,7 +9,7 @@ from kvaudit.app.configs import require_target
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, EXIT_NOT_REPRODUCED, InputError
 from kvaudit.app.files import check_paths, write_replay
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
-from kvaudit.app.progress import console as make_console
+from kvaudit.app.progress import MinimizeProgress, OpProgress, console as make_console
 from kvaudit.app.replay import load_replay
 from kvaudit.config import shown_path
 from kvaudit.audit.runner import execute
@@ -43,7 +43,8 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     catch_sigint()
     small = None
     try:
-        small = minimize(config, program, signature, fresh())
+        with MinimizeProgress(err, "minimizing", len(program)) as progress:
+            small = minimize(config, program, signature, fresh(), on_run=progress)
         confirmations = confirm(config, small, signature, suppressions=fresh())
     except TargetDefinitionError:  # (a ValueError: the target's mistake a smaller program met, exit 2)
         raise
@@ -78,7 +79,8 @@ def _write_interrupted(config, program, smallest, signature, file, out_file, sup
     if smallest is None:
         err.print("interrupted before the program reproduced: nothing written")
         return _nothing(console, EXIT_INTERRUPTED)
-    final = execute(config, smallest, suppressions=suppressions, drain=True)
+    with OpProgress(err, "replaying the smallest program so far", len(smallest)) as progress:
+        final = execute(config, smallest, suppressions=suppressions, drain=True, on_op=progress)
     findings = sorted(final.findings, key=lambda f: f.signature != signature)
     if signature not in final.signatures:
         err.print(f"interrupted; the smallest program so far ({len(smallest)} ops) did not reproduce {signature} "

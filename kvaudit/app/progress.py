@@ -209,3 +209,16 @@ class OpProgress:
             self.live.__exit__(*exc)
         elif self.printed and exc[0] is None:
             print(self.line(done=True), file=sys.stderr, flush=True)
+
+
+class MinimizeProgress(OpProgress):
+    """Where a minimization is, called as ``progress(runs, ops of the smallest program so far)`` after each
+    run; shown as :class:`OpProgress` shows a replay (``total``: the input's ops)."""
+
+    def __call__(self, runs: int, smallest: int) -> None:
+        super().__call__(smallest, runs)  # NOTE: kept as OpProgress's ops and steps
+
+    def line(self, done: bool = False) -> str:
+        el = time.monotonic() - self.start
+        return f"[{el:6.1f}s] {self.label}: runs={self.steps} smallest={self.ops}/{self.total} ops" + (
+            " done" if done else "")

@@ -133,23 +133,28 @@ class OutOfTime(Exception):
 
 
 def minimize(config: TargetConfig, program: list[Op], signature: str, suppressions=None,
-             until: float | None = None) -> list[Op]:
+             until: float | None = None, on_run: Callable[[int, int], None] | None = None) -> list[Op]:
     """The smallest program found that still yields ``signature`` (minimizing it again returns it unchanged),
     every run leaving out what ``suppressions`` covers. ``until`` (``time.monotonic()`` seconds): no candidate
-    starts past it. Raises ``ValueError`` if ``program`` does not reproduce it, :class:`OutOfTime` past ``until``
-    and :class:`Interrupted` when interrupted (both with the smallest program so far)."""
+    starts past it. ``on_run(runs, ops of the smallest program that reproduced so far)`` is called after each run
+    (the input's length until one reproduced). Raises ``ValueError`` if ``program`` does not reproduce it,
+    :class:`OutOfTime` past ``until`` and :class:`Interrupted` when interrupted (both with the smallest program
+    so far)."""
     cache: dict[tuple, bool] = {}
     smallest: list[Op] | None = None  # NOTE: every pass moves only to programs that fail: the latest is the best
 
     def fails(ops: list[Op]) -> bool:
         nonlocal smallest
         key = tuple(ops)
-        if key not in cache:
+        ran = key not in cache
+        if ran:
             if smallest is not None and until is not None and time.monotonic() > until:
                 raise OutOfTime(smallest)
             cache[key] = bool(ops) and reproduces(config, ops, signature, suppressions)
         if cache[key] and (smallest is None or len(ops) <= len(smallest)):
             smallest = list(ops)
+        if ran and on_run is not None:
+            on_run(len(cache), len(smallest if smallest is not None else program))
         return cache[key]
 
     try:
