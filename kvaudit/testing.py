@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvaudit.config import json_value
-from kvaudit.constants import DEFAULT_FUZZER
+from kvaudit.constants import DEFAULT_FUZZER, WATCHDOG_IDLE_POLL
 
 
 class KvauditFailure(AssertionError):
@@ -58,19 +58,37 @@ class Result:
                                  "time (max_time, --kvaudit-time)")
 
 
-def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZZER) -> Result:
+def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZZER,
+         step_timeout: float | None = None) -> Result:
     """Fuzz ``config``'s target for ``max_time`` seconds (minimizing comes after) and triage its first
-    finding as ``kvaudit fuzz`` does; a flaky one is passed over. Raises ``ValueError`` for an unknown
-    or out-of-process fuzzer (atheris) and for a ``max_time`` that is not a finite number > 0."""
+    finding as ``kvaudit fuzz`` does; a flaky one is passed over. ``step_timeout``: the watchdog's limit on
+    one engine step (seconds, at least ``WATCHDOG_IDLE_POLL``), for this call only; by default ``kvaudit
+    fuzz``'s for ``max_time`` (:func:`kvaudit.audit.runner.fuzz_step_timeout`). Raises ``ValueError`` for an
+    unknown or out-of-process fuzzer (atheris), a ``max_time`` that is not a finite number > 0 and a
+    ``step_timeout`` below that least."""
+    from kvaudit.audit import runner
     from kvaudit.search import fuzzers
-    from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
 
     if not (isinstance(max_time, (int, float)) and math.isfinite(max_time) and max_time > 0):
         raise ValueError(f"max_time must be a finite number of seconds > 0, got {json_value(max_time, 60)}")
+    if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and step_timeout >= WATCHDOG_IDLE_POLL):
+        raise ValueError(f"step_timeout must be a number of seconds >= {WATCHDOG_IDLE_POLL:g}, got "
+                         f"{json_value(step_timeout, 60)}")
     valid = [n for n, k in fuzzers.kinds().items() if k.in_process]
     if fuzzer not in valid:
         raise ValueError(f"unknown fuzzer {json_value(fuzzer, 60)} (valid: {', '.join(valid)})")
-    kind = fuzzers.get(fuzzer)
+    before = runner.step_timeout()  # (the process's: a later test's runs keep it)
+    runner.set_step_timeout(runner.fuzz_step_timeout(max_time) if step_timeout is None else step_timeout)
+    try:
+        return _fuzz(config, max_time, seed, fuzzers.get(fuzzer))
+    finally:
+        runner.set_step_timeout(before)
+
+
+def _fuzz(config, max_time: float, seed: int, kind) -> Result:
+    from kvaudit.search import fuzzers
+    from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
+
     stats, flaky = FuzzStats(), []
     kept: dict = {}  # what the fuzzer keeps (the corpus fuzzer's corpus): past a flaky finding, the search goes on from it
     deadline = time.monotonic() + max_time

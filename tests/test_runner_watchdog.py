@@ -272,3 +272,18 @@ def test_a_step_timeout_sent_again_while_the_interrupted_call_is_released_is_cau
                 pass
     assert escaped is None, "a StepTimeout escaped the runner"
     assert [runner.is_watchdog_hang(f) for f in found] == [True]
+
+
+def test_the_pytest_fixtures_fuzz_finds_a_hang_within_a_short_budget(hangs_after):
+    """kvaudit.testing.fuzz (the pytest fixture's) kept the process's 10 s step limit whatever its budget: a step
+    stuck for ever in a 3 s fuzz was cut short by the budget's end, no finding, and the test of an engine that hangs
+    passed. It takes `kvaudit fuzz`'s limit for its budget now (1 s here), for that call only."""
+    from kvaudit import testing
+
+    hangs_after(3)
+    result = testing.fuzz(get_preset("default").config(), max_time=3)
+    assert [f.kind for f in result.findings] == ["hang"]
+    assert result.signatures == ["hang/-/stuck:_spin_forever@test_runner_watchdog.py"]
+    assert runner.step_timeout() == runner.DEFAULT_STEP_TIMEOUT  # (put back: the next test's runs keep it)
+    with pytest.raises(ValueError, match="step_timeout must be a number of seconds >= 0.2, got 0.01"):
+        testing.fuzz(get_preset("default").config(), max_time=3, step_timeout=0.01)
