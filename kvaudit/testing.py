@@ -15,7 +15,12 @@ from kvaudit.constants import DEFAULT_FUZZER, WATCHDOG_IDLE_POLL
 
 
 class KvauditFailure(AssertionError):
-    """Findings in a test: the message lists each one as kvaudit's JUnit failure text does."""
+    """Findings in a test: the message lists each one as kvaudit's JUnit failure text does; ``summary``: one
+    line (the first finding's summary, the pytest plugin's short test summary)."""
+
+    def __init__(self, message: str, summary: str | None = None):
+        super().__init__(message)
+        self.summary = message.split("\n", 1)[0] if summary is None else summary
 
 
 @dataclass
@@ -52,7 +57,11 @@ class Result:
         """Raises :class:`KvauditFailure` with :meth:`render` when anything was found, and when no program
         ran (a budget that ended first: nothing was checked, as ``kvaudit fuzz`` exits 5)."""
         if self.findings:
-            raise KvauditFailure(self.render())
+            from kvaudit.reports.sarif import current_summary
+
+            more = len(self.findings) - 1
+            raise KvauditFailure(self.render(), f"kvaudit: {current_summary(self.findings[0])}"
+                                                + (f" (and {more} more finding(s))" if more else ""))
         if self.executions == 0:
             raise KvauditFailure("kvaudit: nothing searched: the budget ended before one program ran; give it more "
                                  "time (max_time, --kvaudit-time)")
