@@ -107,9 +107,10 @@ def _print_verdict(console, result, sset) -> None:
     idle = [] if result.failed or result.interrupted else result.nothing_searched
     where = f"in {len(idle)} of {len(result.fuzz)} preset(s) ({', '.join(idle)})"
     runs = [findings for run in result.fuzz for _, findings, _ in run.new]
-    # (as a campaign's: the distinct known signatures no preset reported as new)
+    # (as a campaign's: the distinct known signatures no preset reported as new; one a rule suppressed when its
+    # file was replayed is counted as suppressed, as the preset's row says clean, not known still open)
     known = {sig for run in result.fuzz for sig in run.known} - {f.signature for fs in runs for f in fs}
-    known -= set(unwritten)
+    known -= set(unwritten) | (sset.suppressed_signatures() if sset is not None else set())
     console.print(new_findings_line(runs, suppressed_by_kind(sset), result.interrupted, unwritten, len(known))
                   if not idle else
                   NOTHING_SEARCHED_SUMMARY if len(idle) == len(result.fuzz) else
