@@ -80,8 +80,9 @@ def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZ
 
     if not (isinstance(max_time, (int, float)) and math.isfinite(max_time) and max_time > 0):
         raise ValueError(f"max_time must be a finite number of seconds > 0, got {json_value(max_time, 60)}")
-    if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and step_timeout >= WATCHDOG_IDLE_POLL):
-        raise ValueError(f"step_timeout must be a number of seconds >= {WATCHDOG_IDLE_POLL:g}, got "
+    if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and math.isfinite(step_timeout)
+                                         and step_timeout >= WATCHDOG_IDLE_POLL):  # (as --step-timeout)
+        raise ValueError(f"step_timeout must be a finite number of seconds >= {WATCHDOG_IDLE_POLL:g}, got "
                          f"{json_value(step_timeout, 60)}")
     valid = [n for n, k in fuzzers.kinds().items() if k.in_process]
     if fuzzer not in valid:

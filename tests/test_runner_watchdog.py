@@ -285,5 +285,6 @@ def test_the_pytest_fixtures_fuzz_finds_a_hang_within_a_short_budget(hangs_after
     assert [f.kind for f in result.findings] == ["hang"]
     assert result.signatures == ["hang/-/stuck:_spin_forever@test_runner_watchdog.py"]
     assert runner.step_timeout() == runner.DEFAULT_STEP_TIMEOUT  # (put back: the next test's runs keep it)
-    with pytest.raises(ValueError, match="step_timeout must be a number of seconds >= 0.2, got 0.01"):
-        testing.fuzz(get_preset("default").config(), max_time=3, step_timeout=0.01)
+    for bad in (0.01, float("inf"), float("nan")):  # (refused as --step-timeout refuses them)
+        with pytest.raises(ValueError, match="step_timeout must be a finite number of seconds >= 0.2, got "):
+            testing.fuzz(get_preset("default").config(), max_time=3, step_timeout=bad)
