@@ -4,6 +4,7 @@ Example: docs/internals/app.md; writing the target: docs/writing-a-target.md."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
@@ -90,9 +91,27 @@ def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZ
     before = runner.step_timeout()  # (the process's: a later test's runs keep it)
     runner.set_step_timeout(runner.fuzz_step_timeout(max_time) if step_timeout is None else step_timeout)
     try:
-        return _fuzz(config, max_time, seed, fuzzers.get(fuzzer))
+        with _hypothesis_home_in_scratch():
+            return _fuzz(config, max_time, seed, fuzzers.get(fuzzer))
     finally:
         runner.set_step_timeout(before)
+
+
+@contextlib.contextmanager
+def _hypothesis_home_in_scratch():
+    """Hypothesis's files (the hypothesis fuzzer's constants cache) in a directory removed after, not in the
+    test's working directory (as ``kvaudit fuzz`` puts them in its own); the caller's home put back."""
+    from hypothesis import configuration
+
+    from kvaudit.atomic import scratch_dir
+
+    home = configuration.storage_directory(intent_to_write=False).home_directory
+    with scratch_dir("kvaudit-testing-") as scratch:
+        configuration.set_hypothesis_home_dir(os.path.join(scratch, ".hypothesis"))
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(home)
 
 
 def _fuzz(config, max_time: float, seed: int, kind) -> Result:

@@ -5,6 +5,7 @@ minimized as ``kvaudit fuzz`` finds and minimizes them."""
 import glob
 import inspect
 import json
+import os
 
 import pytest
 from cli_helpers import invoke
@@ -141,6 +142,22 @@ def test_a_failure_is_one_line_in_the_short_summary_and_plain_in_junit(tmp_path)
     (failure,) = ET.parse(tmp_path / "j.xml").iter("failure")
     assert failure.get("message") == one
     assert failure.text.startswith("kvaudit report: preset chunked") and "\nE " not in failure.text
+
+
+def test_a_hypothesis_fuzz_leaves_no_files_in_the_working_directory(tmp_path):
+    """testing.fuzz(..., fuzzer="hypothesis") left .hypothesis/constants/ in the test's working directory, which
+    `kvaudit fuzz` never does (its files go to its own directory); a caller's Hypothesis home is kept."""
+    from hypothesis import configuration
+
+    before = configuration.storage_directory(intent_to_write=False).home_directory
+    configuration.set_hypothesis_home_dir(tmp_path / ".hypothesis")  # (the default: the working directory's)
+    try:
+        result = testing.fuzz(TIGHT.config(), max_time=1, fuzzer="hypothesis")
+        assert configuration.storage_directory(intent_to_write=False).home_directory == tmp_path / ".hypothesis"
+    finally:
+        configuration.set_hypothesis_home_dir(before)
+    assert result.executions > 0
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("max_time", [0, -1.0, float("nan")])
