@@ -288,3 +288,21 @@ def test_the_pytest_fixtures_fuzz_finds_a_hang_within_a_short_budget(hangs_after
     for bad in (0.01, float("inf"), float("nan")):  # (refused as --step-timeout refuses them)
         with pytest.raises(ValueError, match="step_timeout must be a finite number of seconds >= 0.2, got "):
             testing.fuzz(get_preset("default").config(), max_time=3, step_timeout=bad)
+
+
+def test_ci_finds_a_hang_within_a_presets_short_share(hangs_after, tmp_path):
+    """ci kept the 10 s step limit whatever a preset's share of --max-time (its default 60 s over 13 presets: 4.6 s
+    each): a step stuck for ever was cut short by the share's end, no finding, and the job over an engine that hangs
+    passed ('fuzz default (4.0s, 1 executions)  clean'). Its search takes fuzz's limit for the share now (1 s);
+    --step-timeout given is kept."""
+    from cli_helpers import invoke
+
+    hangs_after(3)
+    (tmp_path / "reg").mkdir()
+    try:
+        r = invoke("ci", "--presets", "default", "--max-time", "4", "--regressions", str(tmp_path / "reg"),
+                   "--out", str(tmp_path / "out"))
+    finally:
+        runner.set_step_timeout(runner.DEFAULT_STEP_TIMEOUT)  # (the process's: the next test's runs keep it)
+    assert r.exit_code == 1, r.output
+    assert "NEW hang/-/stuck:_spin_forever@test_runner_watchdog.py" in r.stdout, r.stdout
