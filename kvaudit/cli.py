@@ -189,7 +189,8 @@ _step_timeout_option = click.option(
     help=f"Watchdog: one engine step that runs longer is a hang finding naming the frames it is stuck in (the "
          f"step is interrupted; a step blocked inside one C call cannot be); at least {WATCHDOG_IDLE_POLL:g}. "
          f"[default: {DEFAULT_STEP_TIMEOUT:g}; "
-         f"fuzz: min({DEFAULT_STEP_TIMEOUT:g}, --max-time / 6), at least 1]")
+         f"fuzz: min({DEFAULT_STEP_TIMEOUT:g}, --max-time / 6), ci's search: min({DEFAULT_STEP_TIMEOUT:g}, a preset's "
+         f"share / 6), at least 1]")
 
 
 _OUTPUT_HELP = {
@@ -429,7 +430,7 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
     return job.run(budget=budget, presets_value=presets_value, fuzzer=fuzzer, seed=seed,
                    regressions_dir=regressions_dir, corpus_dir=corpus_dir, out_dir=out_dir,
                    suppress_file=suppress_file, outputs=outputs, target=target, db=db_url,
-                   campaign_name=campaign_name)
+                   campaign_name=campaign_name, step_timeout=step_timeout)
 
 
 # where `kvaudit bench` writes unless told: the current directory, never a checkout's committed docs/

@@ -1,6 +1,7 @@
 """kvaudit's pytest plugin (``pytest11`` entry point ``kvaudit``): the ``kvaudit`` fixture is
 :mod:`kvaudit.testing` with every fuzz's ``max_time`` scaled by ``--kvaudit-time``; a
-:class:`kvaudit.testing.KvauditFailure` shows as its plain report. Imports nothing heavy."""
+:class:`kvaudit.testing.KvauditFailure` shows as its plain report, its first finding's summary in the short
+test summary. Imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ def kvaudit(request):
     return _Kvaudit(request.config.getoption("--kvaudit-time"))
 
 
-def pytest_exception_interact(node, call, report):
-    if call.excinfo is not None and isinstance(call.excinfo.value, testing.KvauditFailure):
-        report.longrepr = str(call.excinfo.value)
+class _Crash:
+    def __init__(self, message: str):
+        self.message = message
+
+
+class _Plain:
+    """A :class:`kvaudit.testing.KvauditFailure`'s report as pytest shows it: the plain report (the failure's
+    section, JUnit's text) and one line (``reprcrash.message``: the short test summary, JUnit's message)."""
+
+    def __init__(self, failure: testing.KvauditFailure):
+        self.text, self.reprcrash = str(failure), _Crash(failure.summary)
+
+    def toterminal(self, out) -> None:
+        out.line(self.text)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # NOTE: here, not in pytest_exception_interact: that runs after the report is logged (JUnit, xdist, the
+    # short summary's line had the traceback, or on CI the whole report again)
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None and isinstance(call.excinfo.value, testing.KvauditFailure):
+        report.longrepr = _Plain(call.excinfo.value)

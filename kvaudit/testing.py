@@ -4,6 +4,7 @@ Example: docs/internals/app.md; writing the target: docs/writing-a-target.md."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
@@ -11,11 +12,16 @@ import time
 from dataclasses import dataclass, field
 
 from kvaudit.config import json_value
-from kvaudit.constants import DEFAULT_FUZZER
+from kvaudit.constants import DEFAULT_FUZZER, WATCHDOG_IDLE_POLL
 
 
 class KvauditFailure(AssertionError):
-    """Findings in a test: the message lists each one as kvaudit's JUnit failure text does."""
+    """Findings in a test: the message lists each one as kvaudit's JUnit failure text does; ``summary``: one
+    line (the first finding's summary, the pytest plugin's short test summary)."""
+
+    def __init__(self, message: str, summary: str | None = None):
+        super().__init__(message)
+        self.summary = message.split("\n", 1)[0] if summary is None else summary
 
 
 @dataclass
@@ -52,25 +58,66 @@ class Result:
         """Raises :class:`KvauditFailure` with :meth:`render` when anything was found, and when no program
         ran (a budget that ended first: nothing was checked, as ``kvaudit fuzz`` exits 5)."""
         if self.findings:
-            raise KvauditFailure(self.render())
+            from kvaudit.reports.sarif import current_summary
+
+            more = len(self.findings) - 1
+            raise KvauditFailure(self.render(), f"kvaudit: {current_summary(self.findings[0])}"
+                                                + (f" (and {more} more finding(s))" if more else ""))
         if self.executions == 0:
             raise KvauditFailure("kvaudit: nothing searched: the budget ended before one program ran; give it more "
                                  "time (max_time, --kvaudit-time)")
 
 
-def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZZER) -> Result:
+def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZZER,
+         step_timeout: float | None = None) -> Result:
     """Fuzz ``config``'s target for ``max_time`` seconds (minimizing comes after) and triage its first
-    finding as ``kvaudit fuzz`` does; a flaky one is passed over. Raises ``ValueError`` for an unknown
-    or out-of-process fuzzer (atheris) and for a ``max_time`` that is not a finite number > 0."""
+    finding as ``kvaudit fuzz`` does; a flaky one is passed over. ``step_timeout``: the watchdog's limit on
+    one engine step (seconds, at least ``WATCHDOG_IDLE_POLL``), for this call only; by default ``kvaudit
+    fuzz``'s for ``max_time`` (:func:`kvaudit.audit.runner.fuzz_step_timeout`). Raises ``ValueError`` for an
+    unknown or out-of-process fuzzer (atheris), a ``max_time`` that is not a finite number > 0 and a
+    ``step_timeout`` below that least."""
+    from kvaudit.audit import runner
     from kvaudit.search import fuzzers
-    from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
 
     if not (isinstance(max_time, (int, float)) and math.isfinite(max_time) and max_time > 0):
         raise ValueError(f"max_time must be a finite number of seconds > 0, got {json_value(max_time, 60)}")
+    if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and math.isfinite(step_timeout)
+                                         and step_timeout >= WATCHDOG_IDLE_POLL):  # (as --step-timeout)
+        raise ValueError(f"step_timeout must be a finite number of seconds >= {WATCHDOG_IDLE_POLL:g}, got "
+                         f"{json_value(step_timeout, 60)}")
     valid = [n for n, k in fuzzers.kinds().items() if k.in_process]
     if fuzzer not in valid:
         raise ValueError(f"unknown fuzzer {json_value(fuzzer, 60)} (valid: {', '.join(valid)})")
-    kind = fuzzers.get(fuzzer)
+    before = runner.step_timeout()  # (the process's: a later test's runs keep it)
+    runner.set_step_timeout(runner.fuzz_step_timeout(max_time) if step_timeout is None else step_timeout)
+    try:
+        with _hypothesis_home_in_scratch():
+            return _fuzz(config, max_time, seed, fuzzers.get(fuzzer))
+    finally:
+        runner.set_step_timeout(before)
+
+
+@contextlib.contextmanager
+def _hypothesis_home_in_scratch():
+    """Hypothesis's files (the hypothesis fuzzer's constants cache) in a directory removed after, not in the
+    test's working directory (as ``kvaudit fuzz`` puts them in its own); the caller's home put back."""
+    from hypothesis import configuration
+
+    from kvaudit.atomic import scratch_dir
+
+    home = configuration.storage_directory(intent_to_write=False).home_directory
+    with scratch_dir("kvaudit-testing-") as scratch:
+        configuration.set_hypothesis_home_dir(os.path.join(scratch, ".hypothesis"))
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(home)
+
+
+def _fuzz(config, max_time: float, seed: int, kind) -> Result:
+    from kvaudit.search import fuzzers
+    from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
+
     stats, flaky = FuzzStats(), []
     kept: dict = {}  # what the fuzzer keeps (the corpus fuzzer's corpus): past a flaky finding, the search goes on from it
     deadline = time.monotonic() + max_time

@@ -488,6 +488,22 @@ def test_ci_summary_counts_its_known_signatures_as_a_campaigns_does(tmp_path, mo
         assert line == "SUMMARY: kvaudit: no new findings; 1 known signature(s) not reported again.", line
 
 
+def test_ci_summary_does_not_count_a_suppressed_known_signature_as_known_too(tmp_path):
+    """ci --corpus C --suppress S, S covering the known findings C's file records: the preset's row said clean and
+    the SUMMARY 'no new findings; 2 suppressed signature(s); 2 known signature(s) not reported again.', the same
+    two signatures counted twice (its replay met them suppressed). Counted once now, as suppressed."""
+    path = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions", "chunked-abort-ignored.json")
+    os.makedirs(tmp_path / "corpus" / "chunked" / "findings")
+    shutil.copy(path, tmp_path / "corpus" / "chunked" / "findings")
+    (tmp_path / "s.toml").write_text('[[suppress]]\nkind = "leak"\nreason = "known"\n')
+    (tmp_path / "reg").mkdir()
+    r = invoke("ci", "--presets", "chunked", "--max-time", "0.5", "--regressions", str(tmp_path / "reg"),
+               "--corpus", str(tmp_path / "corpus"), "--suppress", str(tmp_path / "s.toml"), "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0, r.output
+    assert "fuzz chunked (" in r.stdout and "executions)  clean" in r.stdout, r.stdout
+    assert summary_lines(r.stdout) == ["SUMMARY: kvaudit: no new findings; 2 suppressed signature(s)."], r.stdout
+
+
 def summary_lines(output: str) -> list[str]:
     return [ln for ln in output.splitlines() if ln.startswith("SUMMARY:")]
 

@@ -205,7 +205,7 @@ def test_a_host_pool_is_bounded_by_the_whole_pages_the_engine_allocates(on, rati
     with pytest.raises(ValueError) as e:
         config_from_dict({**config, "num_slots": (1 << 18) + 16 + 5})
     assert str(e.value) == (f"num_slots x {ratio} (the host pool, tokens) must be at most 4194304, got "
-                            f"262160 (262165 in whole pages of 16) x 16")
+                            f"262160 (num_slots 262165 in whole pages of 16) x 16")
 
 
 def test_a_replay_file_whose_tiny_model_takes_gbs_is_refused_in_one_line(tmp_path):

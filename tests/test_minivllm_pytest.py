@@ -5,6 +5,7 @@ minimized as ``kvaudit fuzz`` finds and minimizes them."""
 import glob
 import inspect
 import json
+import os
 
 import pytest
 from cli_helpers import invoke
@@ -113,6 +114,50 @@ def test_a_time_scale_that_leaves_no_budget_is_a_usage_error(tmp_path, scale):
                        env=dict(os.environ, PYTHONPATH=ROOT))  # (installed or not: this checkout's plugin)
     assert r.returncode == 4, r.stdout + r.stderr
     assert f"argument --kvaudit-time: must be a finite number > 0, got {scale}" in r.stderr
+
+
+def test_a_failure_is_one_line_in_the_short_summary_and_plain_in_junit(tmp_path):
+    """The plugin swapped in the plain report in pytest_exception_interact, after the report was logged: JUnit's
+    failure held the whole report as its message and a traceback of E-lines as its text, the short test summary
+    named only the report's header (``kvaudit report: preset ...``), and on CI (``CI`` set) repeated the whole
+    report. Now: the first finding's summary there, the plain report once."""
+    import os
+    import subprocess
+    import sys
+    import xml.etree.ElementTree as ET
+
+    from cli_helpers import ROOT
+
+    path = os.path.join(ROOT, "corpora", "regressions", "chunked-abort-ignored.json")
+    (tmp_path / "test_x.py").write_text(f"def test_x(kvaudit):\n    kvaudit.replay({path!r}).assert_clean()\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:kvaudit",
+                        "-p", "kvaudit.pytest_plugin", "--junitxml", str(tmp_path / "j.xml"), str(tmp_path)],
+                       capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT, CI="1"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    one = ("kvaudit: Direct leak of 1 row in pool req_to_token_pool, allocated at scheduler.py:273 in alloc_for_extend "
+           "(and 1 more finding(s))")
+    summary = r.stdout.split("short test summary info")[1].splitlines()
+    assert summary[1] == f"FAILED test_x.py::test_x - {one}" and "failed" in summary[2], r.stdout
+    assert r.stdout.count("kvaudit report: preset chunked") == 1
+    (failure,) = ET.parse(tmp_path / "j.xml").iter("failure")
+    assert failure.get("message") == one
+    assert failure.text.startswith("kvaudit report: preset chunked") and "\nE " not in failure.text
+
+
+def test_a_hypothesis_fuzz_leaves_no_files_in_the_working_directory(tmp_path):
+    """testing.fuzz(..., fuzzer="hypothesis") left .hypothesis/constants/ in the test's working directory, which
+    `kvaudit fuzz` never does (its files go to its own directory); a caller's Hypothesis home is kept."""
+    from hypothesis import configuration
+
+    before = configuration.storage_directory(intent_to_write=False).home_directory
+    configuration.set_hypothesis_home_dir(tmp_path / ".hypothesis")  # (the default: the working directory's)
+    try:
+        result = testing.fuzz(TIGHT.config(), max_time=1, fuzzer="hypothesis")
+        assert configuration.storage_directory(intent_to_write=False).home_directory == tmp_path / ".hypothesis"
+    finally:
+        configuration.set_hypothesis_home_dir(before)
+    assert result.executions > 0
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("max_time", [0, -1.0, float("nan")])

@@ -272,3 +272,37 @@ def test_a_step_timeout_sent_again_while_the_interrupted_call_is_released_is_cau
                 pass
     assert escaped is None, "a StepTimeout escaped the runner"
     assert [runner.is_watchdog_hang(f) for f in found] == [True]
+
+
+def test_the_pytest_fixtures_fuzz_finds_a_hang_within_a_short_budget(hangs_after):
+    """kvaudit.testing.fuzz (the pytest fixture's) kept the process's 10 s step limit whatever its budget: a step
+    stuck for ever in a 3 s fuzz was cut short by the budget's end, no finding, and the test of an engine that hangs
+    passed. It takes `kvaudit fuzz`'s limit for its budget now (1 s here), for that call only."""
+    from kvaudit import testing
+
+    hangs_after(3)
+    result = testing.fuzz(get_preset("default").config(), max_time=3)
+    assert [f.kind for f in result.findings] == ["hang"]
+    assert result.signatures == ["hang/-/stuck:_spin_forever@test_runner_watchdog.py"]
+    assert runner.step_timeout() == runner.DEFAULT_STEP_TIMEOUT  # (put back: the next test's runs keep it)
+    for bad in (0.01, float("inf"), float("nan")):  # (refused as --step-timeout refuses them)
+        with pytest.raises(ValueError, match="step_timeout must be a finite number of seconds >= 0.2, got "):
+            testing.fuzz(get_preset("default").config(), max_time=3, step_timeout=bad)
+
+
+def test_ci_finds_a_hang_within_a_presets_short_share(hangs_after, tmp_path):
+    """ci kept the 10 s step limit whatever a preset's share of --max-time (its default 60 s over 13 presets: 4.6 s
+    each): a step stuck for ever was cut short by the share's end, no finding, and the job over an engine that hangs
+    passed ('fuzz default (4.0s, 1 executions)  clean'). Its search takes fuzz's limit for the share now (1 s);
+    --step-timeout given is kept."""
+    from cli_helpers import invoke
+
+    hangs_after(3)
+    (tmp_path / "reg").mkdir()
+    try:
+        r = invoke("ci", "--presets", "default", "--max-time", "4", "--regressions", str(tmp_path / "reg"),
+                   "--out", str(tmp_path / "out"))
+    finally:
+        runner.set_step_timeout(runner.DEFAULT_STEP_TIMEOUT)  # (the process's: the next test's runs keep it)
+    assert r.exit_code == 1, r.output
+    assert "NEW hang/-/stuck:_spin_forever@test_runner_watchdog.py" in r.stdout, r.stdout

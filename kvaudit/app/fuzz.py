@@ -26,7 +26,7 @@ from kvaudit.audit import runner
 from kvaudit.audit.suppress import SuppressionSet
 from kvaudit.config import shown_path
 from kvaudit.history.notes import note_for
-from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT, default_fuzzer
+from kvaudit.constants import CONFIRM_RUNS, default_fuzzer
 from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
 from kvaudit.reports.report import (new_findings_line, print_report, print_suppressions, print_table, summary_line,
                                     suppressed_by_kind)
@@ -71,7 +71,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     first engine is built."""
     sset, max_time = checked.sset, budget.seconds
     if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
-        runner.set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
+        runner.set_step_timeout(runner.fuzz_step_timeout(max_time))
     set_hypothesis_home_dir(os.path.join(checked.target_dir, ".hypothesis"))  # not the user's cwd
     console, err = make_console(), make_console(stderr=True)
     _announce(config, checked, err, fuzzer=fuzzer, max_time=max_time, seed=seed, out_dir=out_dir, workers=workers,

@@ -53,6 +53,13 @@ def step_timeout() -> float:
     return _step_timeout
 
 
+def fuzz_step_timeout(max_time: float) -> float:
+    """A fuzz's limit on one engine step when none is given, for a search budget of ``max_time`` seconds:
+    min(DEFAULT_STEP_TIMEOUT, max_time / 6), at least 1 s. A hang found near the end costs one more limit in
+    triage; a limit past the budget would never fire (the budget's end cuts the stuck step short, no finding)."""
+    return min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6))
+
+
 def is_watchdog_hang(finding: Finding) -> bool:
     """A ``hang`` the watchdog raised (a step that never returned), not an idle() that never drained."""
     return finding.kind == "hang" and finding.message.startswith(WATCHDOG_HANG)

@@ -39,7 +39,7 @@ def _check_tables(c: EngineConfig) -> None:
     """Raises ``ValueError`` for a host tier, request-row table or the tiny model's attention past its bound."""
     # (the engine sizes a host pool from the device pool's whole pages, total_tokens: engine_under_test/scheduler.py)
     slots = c.total_tokens if c.total_tokens == c.num_slots else \
-        f"{c.total_tokens} ({c.num_slots} in whole pages of {c.page_size})"
+        f"{c.total_tokens} (num_slots {c.num_slots} in whole pages of {c.page_size})"
     for on, ratio in (("enable_hicache", "hicache_ratio"), ("enable_hisparse", "hisparse_host_ratio")):
         if getattr(c, on) and c.total_tokens * getattr(c, ratio) > MAX_HOST_SLOTS:
             raise ValueError(f"num_slots x {ratio} (the host pool, tokens) must be at most {MAX_HOST_SLOTS}, got "
