@@ -870,3 +870,12 @@ def test_ci_says_when_kvaudit_ships_an_analysis_of_a_new_finding(tmp_path, monke
     out = r.stdout.splitlines()
     assert known.startswith("known: ") and out.count(known) == 1, r.stdout[:2000]
     assert out.index(known) < next(i for i, line in enumerate(out) if "==ERROR: kvaudit:" in line)
+
+
+def test_the_issues_replay_command_quotes_a_file_name_for_the_shell(tmp_path):
+    """Tester te65: a replay file named with a space and a quote (`x y's.json`) got `kvaudit replay x y's.json`
+    in the issue's "How sure we are", not one argument once pasted. The name is quoted for a POSIX shell now."""
+    src = os.path.join(ROOT, "corpora", "sglang", "crash-session-replace-without-rid.json")
+    _, issue = export_edited(tmp_path, src, lambda doc: None, name="x y's.json")
+    replay_line = next(x for x in issue.splitlines() if x.startswith("- Replay: "))
+    assert "`kvaudit replay 'x y'\"'\"'s.json'`" in replay_line, replay_line
