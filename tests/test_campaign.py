@@ -1513,3 +1513,25 @@ def test_a_campaign_rerun_keeps_the_known_findings_still_open_in_its_sarif(tmp_p
     # the result a SARIF of the corpus file's findings has (location, fingerprints), but for its baselineState
     want = {r_["partialFingerprints"]["kvauditSignature/v1"]: r_ for r_ in to_sarif(recorded, config)["runs"][0]["results"]}
     assert {s: {k: v for k, v in old[s].items() if k != "baselineState"} for s in known} == {s: want[s] for s in known}
+
+
+def test_ci_gives_each_new_files_replay_command_with_the_suppressions(tmp_path, monkeypatch):
+    """Tester te65: `ci --suppress RULES` named each new file (`NEW sig -> file`) with no replay command, and the
+    `kvaudit replay FILE` a user typed lacked the rules (the replay then stops at a finding they hid), unlike
+    fuzz's `replay file:` line. Each new file gets that line now, with `--suppress RULES`."""
+    import shlex
+
+    import kvaudit.search.campaign as campaign
+
+    path = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    sigs = sorted({f.signature for f in replay.load(path)[2]})
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        new={s: path for s in sigs}, stats=FuzzStats(executions=3, ops=9)))
+    rules = tmp_path / "a rule's.toml"
+    rules.write_text('[[suppress]]\nkind = "lock-imbalance"\nreason = "hidden"\n')
+    (tmp_path / "regs").mkdir()
+    r = invoke("ci", "--max-time", "1", "--presets", "default", "--regressions", str(tmp_path / "regs"),
+               "--out", str(tmp_path / "o"), "--suppress", str(rules))
+    assert r.exit_code == 1, r.output
+    out = str(tmp_path / "o" / os.path.basename(path))
+    assert f"replay file: {out}   (kvaudit replay {out} --suppress {shlex.quote(str(rules))})" in r.stdout, r.stdout

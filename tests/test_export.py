@@ -594,6 +594,47 @@ def test_the_launch_line_sets_what_the_finding_needs_as_sglang_parses_it(tmp_pat
     assert {k: args[k] for k in want} == want, line
 
 
+@pytest.mark.sglang
+@pytest.mark.parametrize("preset,want,env", [
+    ("sglang-evict-tlru", {"radix_eviction_policy": "tlru",
+                           "radix_eviction_policy_config": {"threshold": 32, "next_prompt_estimate": 8}}, []),
+    ("sglang-evict-slru", {"radix_eviction_policy": "slru", "radix_eviction_policy_config": {"protected_threshold": 2}},
+     []),
+    ("sglang-evict-priority", {"radix_eviction_policy": "priority", "enable_priority_scheduling": True}, []),
+    ("sglang-priority", {"priority_scheduling_preemption_threshold": 1, "max_queued_requests": 4},
+     ["SGLANG_REQ_WAITING_TIMEOUT=12", "SGLANG_REQ_RUNNING_TIMEOUT=24"]),
+    ("sglang-hicache-l3", {"hicache_storage_backend": "file", "hicache_storage_prefetch_policy": "wait_complete"}, []),
+    ("sglang-hicache-l3-timeout", {"hicache_storage_backend": "file", "hicache_storage_prefetch_policy": "timeout"},
+     []),
+    ("sglang-mamba-small", {"max_mamba_cache_size": 9, "mamba_radix_cache_strategy": "no_buffer"}, []),
+    ("sglang-mamba-mixed", {"max_mamba_cache_size": 24, "mamba_radix_cache_strategy": "extra_buffer"}, [])])
+def test_the_launch_line_sets_the_presets_cache_policy_as_sglang_parses_it(tmp_path, preset, want, env):
+    """Tester te65: the launch line left out what these presets change in the server's behaviour: the tree's
+    eviction policy (a server launched as the issue says evicts by LRU), priority preemption's threshold and
+    the waiting / running timeouts (sglang-priority: SGLang's default 10 and no timeouts), HiCache's L3 tier
+    (no --hicache-storage-backend: no storage at all; and SGLang's default prefetch policy is timeout, not
+    the preset's wait_complete), Mamba's pool size and cache strategy. Parsed by SGLang 0.5.23's parser."""
+    import argparse
+    import re
+    import shlex
+    from kvaudit.targets import config_to_dict, registry
+    from kvaudit.targets.sglang import boot
+    boot.load()
+    from sglang.srt.server_args import ServerArgs
+    config = config_to_dict(registry.get("sglang").preset(preset).config())
+    src = os.path.join(ROOT, "corpora", "sglang", "crash-session-replace-without-rid.json")
+    _, issue = export_edited(tmp_path, src, lambda doc: doc.update(config=config))
+    found = re.search(r"^(.*)python -m sglang.launch_server (.*)$", issue, re.M)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = vars(parser.parse_args(shlex.split(found.group(2))))
+    for k in ("radix_eviction_policy_config", "hicache_storage_backend_extra_config"):
+        if isinstance(args.get(k), str):
+            args[k] = json.loads(args[k])
+    assert {k: args[k] for k in want} == want, found.group(0)
+    assert all(e in found.group(1).split() for e in env), found.group(0)
+
+
 @pytest.mark.parametrize("bug", ["skip-release", "lock-leak"])
 def test_a_finding_of_a_planted_sglang_fault_is_exported_as_one_not_as_an_sglang_bug(tmp_path, bug):
     """A replay file recorded with ``--bug`` (an injected fault): the issue's title and banner and the client's
@@ -829,3 +870,12 @@ def test_ci_says_when_kvaudit_ships_an_analysis_of_a_new_finding(tmp_path, monke
     out = r.stdout.splitlines()
     assert known.startswith("known: ") and out.count(known) == 1, r.stdout[:2000]
     assert out.index(known) < next(i for i, line in enumerate(out) if "==ERROR: kvaudit:" in line)
+
+
+def test_the_issues_replay_command_quotes_a_file_name_for_the_shell(tmp_path):
+    """Tester te65: a replay file named with a space and a quote (`x y's.json`) got `kvaudit replay x y's.json`
+    in the issue's "How sure we are", not one argument once pasted. The name is quoted for a POSIX shell now."""
+    src = os.path.join(ROOT, "corpora", "sglang", "crash-session-replace-without-rid.json")
+    _, issue = export_edited(tmp_path, src, lambda doc: None, name="x y's.json")
+    replay_line = next(x for x in issue.splitlines() if x.startswith("- Replay: "))
+    assert "`kvaudit replay 'x y'\"'\"'s.json'`" in replay_line, replay_line

@@ -404,6 +404,22 @@ def test_the_vllm_launch_line_follows_the_config():
                for u in vllm_flag_line(VLLM_PRESETS["vllm-kv-load"].config())[2])
 
 
+@pytest.mark.parametrize("preset,spec,mamba", [
+    ("vllm-spec", {"method": "ngram", "num_speculative_tokens": 4}, None),
+    ("vllm-spec-eagle", {"method": "eagle", "num_speculative_tokens": 4, "model": "DRAFT_MODEL"}, None),
+    ("vllm-mamba", None, ["--mamba-cache-mode align", "--prefix-match-unit 4"]),
+    ("vllm-mamba-spec", {"method": "ngram", "num_speculative_tokens": 4}, ["--mamba-cache-mode align"])])
+def test_the_vllm_launch_line_sets_speculative_decoding_and_the_mamba_cache(preset, spec, mamba):
+    """Tester te65: a vllm-spec* or vllm-mamba* finding's launch line had no --speculative-config (a server
+    launched as the issue said decodes without drafts: no rejected draft blocks to leak) and no Mamba cache
+    mode, nor a word that the model must have Mamba layers."""
+    from kvaudit.targets.vllm.config import VLLM_PRESETS
+    flags, _, unmapped = vllm_flag_line(VLLM_PRESETS[preset].config())
+    given = [json.loads(f.split(" ", 1)[1].strip("'")) for f in flags if f.startswith("--speculative-config ")]
+    assert given == ([spec] if spec else []), flags
+    assert all(f in flags for f in mamba or []) and any(u.startswith("mamba=true") for u in unmapped) == bool(mamba)
+
+
 def test_vllm_export_bad_input_is_one_line_exit_2(tmp_path):
     good = os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")
     for args in (("export", good, "--client", str(tmp_path)), ("export", good, "--issue", good),

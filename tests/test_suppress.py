@@ -633,3 +633,18 @@ def test_a_suppression_file_nested_too_deeply_is_one_line(tmp_path, value):
     with pytest.raises(SuppressionError) as e:
         load_suppressions(str(path))
     assert str(e.value) == f"{path} is not a TOML suppression file: nested too deeply"
+
+
+def test_a_campaigns_new_finding_gives_its_replay_command_with_the_suppressions(tmp_path):
+    """Tester te65: a single fuzz run's `replay file:` line gives `kvaudit replay FILE --suppress RULES` (without
+    the rules the replay stops at the finding they hid), but a campaign (--corpus, --workers) named each new file
+    with no replay command at all, so the one a user typed lacked the rules. Each new file of a campaign gets the
+    same `replay file:` line now, the rules' path quoted for the shell."""
+    import shlex
+    rules = tmp_path / "my rules's.toml"
+    rules.write_text('[[suppress]]\nkind = "lock-imbalance"\nreason = "hidden"\n')
+    r = invoke("fuzz", "--preset", "default", "--bug", "radix-lock-skips-matched-node", "--max-time", "3", "--seed",
+               "1", "--corpus", str(tmp_path / "camp"), "--suppress", str(rules))
+    assert r.exit_code == 1, r.output
+    lines = [x for x in r.stdout.splitlines() if x.startswith("replay file: ")]
+    assert lines and all(x.endswith(f" --suppress {shlex.quote(str(rules))})") for x in lines), r.stdout

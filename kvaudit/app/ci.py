@@ -18,7 +18,7 @@ from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXI
                                 refused, write_error)
 from kvaudit.app.configs import check_available, check_db, presets_arg
 from kvaudit.app.files import check_dir, load_suppressions, reports_written, write_reports
-from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY, not_reached, print_shipped_analysis
+from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY, not_reached, print_replay_file, print_shipped_analysis
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.config import shown_path
@@ -90,6 +90,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     for run in result.fuzz:
         for program, findings, path in run.new:
             config = kind.preset(run.preset).config()
+            print_replay_file(console, config, path, suppress_file)
             print_shipped_analysis(console, config, findings, path)
             print_report(console, config, program, findings, closing=False)
     _print_table(console, result)

@@ -254,11 +254,17 @@ class _Single:
         except click.ClickException as e:  # a full disk (write_error): the finding still reaches the log
             print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
             raise _with_reports(e, outputs, data, self.err) from None
-        console.print(f"replay file: {shown_path(path)}   ({replay_hint(config, path, self.suppress_file)})", soft_wrap=True)
+        print_replay_file(console, config, path, self.suppress_file)
         print_shipped_analysis(console, config, crash.findings, path)
         print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
         write_reports(outputs, data, self.err, kept=(path,))
         return EXIT_FINDINGS
+
+
+def print_replay_file(console, config, path: str, suppress_file: str | None) -> None:
+    """The ``replay file:`` line of a finding's new replay file ``path``, with the command that replays it under
+    the run's suppressions (a single run's finding, each new file of a campaign)."""
+    console.print(f"replay file: {shown_path(path)}   ({replay_hint(config, path, suppress_file)})", soft_wrap=True)
 
 
 def shipped_analysis(config, findings, path: str) -> str:
@@ -336,7 +342,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
                           [f"the finding files in {campaign.findings_dir(corpus)}"]) from None
     finally:
         ignore_interrupts(clear=True)  # the summary and reports are written whole
-    cases, paths = _campaign_cases(result, config, console, err)
+    cases, paths = _campaign_cases(result, config, console, err, suppress_file)
     known = {**result.fleet, **result.known}  # signature -> the file that knows it (another host's, the corpus's)
     known_open = _still_open(result, known, suppress_file, sset) if outputs.sarif else None
     for w in result.warnings:
@@ -407,8 +413,9 @@ def _campaign_summary(result, cases: list[Case], paths: list[str], sset) -> str:
     return new_findings_line(runs, suppressed_by_kind(sset), result.interrupted, result.unwritten, len(result.known))
 
 
-def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]]:
-    """Each new finding's replay file reported (a program with several new signatures once), as cases and paths."""
+def _campaign_cases(result, config, console, err, suppress_file=None) -> tuple[list[Case], list[str]]:
+    """Each new finding's replay file reported (a program with several new signatures once), as cases and paths,
+    after its ``replay file:`` line."""
     cases, paths = [], []
     for path in dict.fromkeys(path for _, path in sorted(result.new.items())):
         try:
@@ -417,6 +424,7 @@ def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]
             err.print(f"warning: {e}", soft_wrap=True)
             continue
         paths.append(path)
+        print_replay_file(console, config, path, suppress_file)
         # (of the findings it reports new, as ci: the file can hold known signatures its program raised too)
         print_shipped_analysis(console, config, [f for f in findings if result.new.get(f.signature) == path], path)
         print_report(console, config, program, findings, closing=False)  # the campaign's line closes the run

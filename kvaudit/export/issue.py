@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 
 from kvaudit.audit.findings import Finding
 from kvaudit.audit.kinds import lookup
@@ -172,13 +173,13 @@ def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str
             *([f"- Not triaged: no analysis of this signature is recorded (`corpora/{package}/notes.toml`), so it "
                f"is not yet shown to be {api.engine}'s defect rather than one of kvaudit's driver or stand-ins; "
                "triage it before filing."] if not triaged and planted is None else []),
-            f"- Replay: `kvaudit replay {source}`." if release is None else
+            f"- Replay: `kvaudit replay {shlex.quote(source)}`." if release is None else
             f"- Replay on {api.engine} {release[0]} (" + (
                 "the release the file was recorded on" if doc.get("engine_version") == release[0] or release[1] is None
                 else "the file does not name the release") +
             (f"; on {release[1]} it replays clean" if release[1] is not None else "") +
             f"): `python -m kvaudit.history.releases {package}=={release[0]}` installs it as an overlay, then "
-            f"`PYTHONPATH=~/.cache/kvaudit/releases/{package}-{release[0]} kvaudit replay {source}`."]
+            f"`PYTHONPATH=~/.cache/kvaudit/releases/{package}-{release[0]} kvaudit replay {shlex.quote(source)}`."]
 
 
 def render_issue(*, config, title: str, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,

@@ -6,6 +6,7 @@ text, the curl lines. The routes and fields were read from SGLang 0.5.23's insta
 from __future__ import annotations
 
 import json
+import shlex
 
 from kvaudit.targets.export_api import (ApiCall, ClientParts, EngineApi, EngineExport, IssueParts, launch_line,
                                         planted_faults)
@@ -118,6 +119,41 @@ def flag_line(config) -> tuple[list[str], list[str], list[str]]:
         else:
             flags += ["--speculative-draft-model-path DRAFT_MODEL", f"--speculative-num-steps {c.speculative_num_steps}",
                       f"--speculative-eagle-topk {c.speculative_eagle_topk}"]
+    more = _policy_flags(c)
+    return flags + more[0], env + more[1], unmapped + more[2]
+
+
+def _policy_flags(c) -> tuple[list[str], list[str], list[str]]:
+    # flag_line's part for the tree's eviction policy, HiCache's L3 tier, Mamba and the scheduler's timeouts
+    flags: list[str] = []
+    env: list[str] = []
+    unmapped: list[str] = []
+    if c.radix_eviction_policy != "lru":
+        flags.append(f"--radix-eviction-policy {c.radix_eviction_policy}")
+    if c.radix_eviction_policy_config is not None:
+        flags.append(f"--radix-eviction-policy-config {shlex.quote(c.radix_eviction_policy_config)}")
+    if c.enable_priority_scheduling and c.priority_scheduling_preemption_threshold != 10:  # (SGLang's default)
+        flags.append(f"--priority-scheduling-preemption-threshold {c.priority_scheduling_preemption_threshold}")
+    for var, steps in (("SGLANG_REQ_WAITING_TIMEOUT", c.request_waiting_timeout_steps),
+                       ("SGLANG_REQ_RUNNING_TIMEOUT", c.request_running_timeout_steps)):
+        if steps is not None:  # seconds: kvaudit's clock advances one second a step
+            env.append(f"{var}={steps}")
+    if c.enable_hierarchical_cache and c.hicache_storage_backend is not None:
+        extra = {"prefetch_threshold": c.hicache_storage_prefetch_threshold,  # as hicache_l3.py configures it
+                 "prefetch_timeout_base": c.hicache_storage_prefetch_timeout_steps, "prefetch_timeout_per_ki_token": 0}
+        flags += [f"--hicache-storage-backend {c.hicache_storage_backend}",
+                  f"--hicache-storage-prefetch-policy {c.hicache_storage_prefetch_policy}",
+                  f"--hicache-storage-backend-extra-config {shlex.quote(json.dumps(extra))}"]
+        unmapped.append(f"hicache_storage_ack_steps={c.hicache_storage_ack_steps} (kvaudit's stand-in of the storage "
+                        "threads runs each storage operation that many steps after it is queued)")
+        if c.hicache_storage_fail_every is not None:
+            unmapped.append(f"hicache_storage_fail_every={c.hicache_storage_fail_every} (kvaudit's backend fails every "
+                            "Nth storage read or write whole: a server needs a storage backend that fails)")
+    if c.enable_mamba:  # the strategy kvaudit drives: SGLang's auto picks by overlap, paging and the backend
+        flags += [f"--max-mamba-cache-size {c.max_mamba_cache_size}", "--mamba-radix-cache-strategy "
+                  + ("extra_buffer" if c.mamba_extra_buffer else "no_buffer")]
+        unmapped.append(f"mamba_chunk_size={c.mamba_chunk_size} (the model's: use a hybrid SSM model, e.g. a Mamba "
+                        "or GDN hybrid, whose chunk size is far larger; scale the prompts to it)")
     return flags, env, unmapped
 
 
@@ -206,11 +242,13 @@ def pool_findings(before, after, flushed):
 '''
 
 def _model(config) -> str:
-    # the model the launch needs (IssueParts.model): HiSparse's DSA model, a hybrid-SWA model, else any
+    # the model the launch needs (IssueParts.model): HiSparse's DSA model, a hybrid-SWA or hybrid SSM model, else any
     if config.enable_hisparse:
         return "a DSA model, as said above"
     if config.sliding_window_size is not None:
         return "a hybrid-SWA model, as said above"
+    if config.enable_mamba:
+        return "a hybrid SSM model, as said above"
     return "any model"
 
 

@@ -17,6 +17,7 @@ import json
 
 from kvaudit.targets.export_api import (ApiCall, ClientParts, EngineApi, EngineExport, IssueParts, launch_line,
                                         planted_faults)
+from kvaudit.targets.vllm.boot import mamba_cache_mode
 from kvaudit.targets.vllm.config import FAULTS, NIXL
 
 API = EngineApi(
@@ -151,6 +152,15 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
     if c.scheduling_policy != "fcfs":
         flags.append(f"--scheduling-policy {c.scheduling_policy}")
         unmapped.append("the submits' priorities (the script sends each request with vLLM's default priority, 0)")
+    if c.num_spec_tokens:  # (the driver plays the drafter: an eagle method needs a draft model on a server)
+        spec = {"method": c.spec_method, "num_speculative_tokens": c.num_spec_tokens}
+        spec.update({"model": "DRAFT_MODEL"} if c.spec_method == "eagle" else {})
+        flags.append("--speculative-config '%s'" % json.dumps(spec))
+    if c.mamba:
+        flags.append(f"--mamba-cache-mode {mamba_cache_mode(c)}")
+        flags += [] if c.prefix_match_unit is None else [f"--prefix-match-unit {c.prefix_match_unit}"]
+        unmapped.append("mamba=true (a property of the model: serve a hybrid model with Mamba layers beside full "
+                        "attention, e.g. a Granite-4.0-H or Nemotron-H model)")
     if c.return_routed_experts:
         flags.append("--enable-return-routed-experts")
         unmapped.append("return_routed_experts needs a mixture-of-experts model and vLLM 0.22.0 to 0.30.0")
