@@ -519,12 +519,17 @@ def test_a_session_closed_under_its_turn_is_not_the_radix_lock_bug(zoo):
     assert found and not found & {f.signature for f in zoo["radix-lock-skips-matched-node"]}, found
 
 
+class _AuditorStandIn:  # (the events and ledgers Evictions reads; weakly referenced, as the auditor is)
+    pass
+
+
 def _recorded_tree(bug: str = ""):
     """A 16-slot RadixCache with ``bug`` on, whose frees an auditor stand-in logs, its evictions recorded."""
     alloc = TokenToKVPoolAllocator(16, 1)
     tree = RadixCache(alloc, 1, bugs=frozenset({bug} - {""}))
-    auditor = types.SimpleNamespace(events=[], ledgers={"token_to_kv_pool": types.SimpleNamespace(
-        last_free=np.full(17, -1, dtype=np.int64))})
+    auditor = _AuditorStandIn()
+    auditor.events, auditor.ledgers = [], {"token_to_kv_pool": types.SimpleNamespace(
+        last_free=np.full(17, -1, dtype=np.int64))}
     free = alloc.free
 
     def free_wrapper(slots):

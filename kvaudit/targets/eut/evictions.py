@@ -15,6 +15,8 @@ earlier premature free, whose unit was handed on and cached again).
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 UNLOCKED = "unlocked"  # the freed_by value of a unit whose evicted node no live receipt covered
@@ -22,10 +24,11 @@ UNLOCKED = "unlocked"  # the freed_by value of a unit whose evicted node no live
 
 class Evictions:
     """Per unit of ``pool``: the free event of its last eviction from an unlocked node, compared when read
-    with the free a finding names (a later free is not the eviction's)."""
+    with the free a finding names (a later free is not the eviction's). The auditor is held by a weak
+    reference: the target outlives it, and a cycle would leave a closed run to the cycle collector."""
 
     def __init__(self, auditor, pool: str, page_size: int):
-        self.auditor, self.pool, self.page_size = auditor, pool, page_size
+        self.auditor, self.pool, self.page_size = weakref.ref(auditor), pool, page_size
         self.free_event = np.full(auditor.ledgers[pool].last_free.size, -1, dtype=np.int64)
         self.receipts: dict[int, list] = {}  # node id -> [node, incs not yet matched by a dec]
 
@@ -43,10 +46,11 @@ class Evictions:
             def release_wrapper(node):
                 if not covered:
                     covered.extend(self._covered())
-                n0 = len(self.auditor.events)
+                auditor = self.auditor()
+                n0 = len(auditor.events) if auditor is not None else -1
                 out = release(node)
-                if id(node) not in covered[0]:
-                    self._record(n0, covered[1])
+                if n0 >= 0 and id(node) not in covered[0]:
+                    self._record(auditor.events[n0:], covered[1])
                 return out
 
             return evict_lru(num_tokens, candidate, release_wrapper)
@@ -79,9 +83,9 @@ class Evictions:
                 node = node.parent
         return out, np.concatenate(held).astype(np.int64) if held else np.zeros(0, dtype=np.int64)
 
-    def _record(self, n0: int, covered: np.ndarray) -> None:
-        # the frees of pool units since event n0 (the release of one unlocked node), but units a covered node holds
-        for ev in self.auditor.events[n0:]:
+    def _record(self, events: list, covered: np.ndarray) -> None:
+        # the frees of pool units in ``events`` (the release of one unlocked node), but units a covered node holds
+        for ev in events:
             if ev.kind == "free" and ev.pool == self.pool:
                 u = np.asarray(ev.units, dtype=np.int64)
                 u = u[(u < self.free_event.size) & ~np.isin(u, covered)]
