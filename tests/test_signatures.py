@@ -24,16 +24,24 @@ import random
 import sys
 import textwrap
 
+import types
+
+import numpy as np
 import pytest
+import torch
 
 from engine_under_test.hicache import HiRadixCache
+from engine_under_test.memory import TokenToKVPoolAllocator
+from engine_under_test.radix_cache import RadixCache
 from engine_under_test.scheduler import Scheduler
 from kvaudit import replay
 from kvaudit.audit.findings import Finding, Site
+from kvaudit.audit.ledger import Event
 from kvaudit.audit.runner import execute
 from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure, OpenSession,
                              PauseGeneration, Step, Submit, TransferFail, random_program)
 from kvaudit.targets import program_features
+from kvaudit.targets.eut.evictions import Evictions
 from kvaudit.targets.eut.observer import EutObserver
 from kvaudit.targets.eut.presets import get_preset
 
@@ -490,10 +498,11 @@ def test_a_finding_of_an_unknown_kind_is_refused_by_from_dict_as_any_bad_field_i
 # Open (session 65, ts65): `kvaudit fuzz --preset P --bug BUG --fuzzer random-96 --seed 1..5 --corpus DIR`
 # for every zoo bug, programs minimized with `kvaudit minimize --signature`. Strict xfails: each turns red
 # (XPASS) once fixed; move it then to FOUND (a split) or make it a plain test (a collision).
-# A tree eviction (release@radix_cache.py) is the premature free of two root causes: radix-lock-skips-
-# matched-node (the reader never locked the node) and session-close-while-running (the close released the
-# session's lock on the turn's published prompt while the turn still reads it). The eviction is shared
-# plumbing, so the signature names neither cause.
+# Fixed (tf65): a tree eviction (release@radix_cache.py) is the premature free of two root causes: radix-lock-
+# skips-matched-node (a live receipt covered the node, the tree's lock did not) and session-close-while-running
+# (the close released the session's lock on the turn's published prompt while the turn still reads it: no
+# receipt covered the node). The eviction is shared plumbing; the target's record of it (Target.freed_by:
+# "unlocked") tells them apart.
 SESSION_CLOSE_EVICTED = [OpenSession(), Submit(0, 1, 2, session=0), Step(2), CloseSession(0), MemoryPressure(), Step(1)]
 # aborted-kv-inserted: the aborted request's unwritten decode slot, cached into the tree, still holds a former
 # tenant's KV, so the stale read is classed "freed:" by that slot's last free (the tree's eviction), not
@@ -504,11 +513,71 @@ ABORTED_KV_EVICTED = [
     Submit(0, 64, 1), Abort(0), Submit(0, 7, 1, extends=7), Idle()]
 
 
-@pytest.mark.xfail(strict=True, reason="open: an eviction under a reader names neither cause (ts65)")
 def test_a_session_closed_under_its_turn_is_not_the_radix_lock_bug(zoo):
     config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "session-close-while-running.json"))
     found = set(execute(config, SESSION_CLOSE_EVICTED).signatures)
     assert found and not found & {f.signature for f in zoo["radix-lock-skips-matched-node"]}, found
+
+
+class _AuditorStandIn:  # (the events and ledgers Evictions reads; weakly referenced, as the auditor is)
+    pass
+
+
+def _recorded_tree(bug: str = ""):
+    """A 16-slot RadixCache with ``bug`` on, whose frees an auditor stand-in logs, its evictions recorded."""
+    alloc = TokenToKVPoolAllocator(16, 1)
+    tree = RadixCache(alloc, 1, bugs=frozenset({bug} - {""}))
+    auditor = _AuditorStandIn()
+    auditor.events, auditor.ledgers = [], {"token_to_kv_pool": types.SimpleNamespace(
+        last_free=np.full(17, -1, dtype=np.int64))}
+    free = alloc.free
+
+    def free_wrapper(slots):
+        units = slots.tolist()
+        auditor.events.append(Event(len(auditor.events), "free", "token_to_kv_pool", units, 0, 0, -1))
+        auditor.ledgers["token_to_kv_pool"].last_free[units] = auditor.events[-1].id
+        return free(slots)
+
+    alloc.free = free_wrapper
+    rec = Evictions(auditor, "token_to_kv_pool", 1)
+    rec.install(tree, lambda obj, name, fn: setattr(obj, name, fn))
+    return tree, alloc, auditor, rec
+
+
+@pytest.mark.parametrize("bug", ["", "radix-lock-skips-matched-node"])
+def test_an_eviction_is_unlocked_only_when_no_lock_call_covered_its_node(bug):
+    """Evictions (the built-in target's Target.freed_by): a node a receipt covered when the tree evicted it (the
+    lock call's node or its descendant, though the buggy tree counted no lock on it) is not `unlocked`; a node
+    whose receipt was released is; and the record names that eviction's free only, not the unit's later free."""
+    tree, alloc, auditor, rec = _recorded_tree(bug)
+    tree.insert((1, 2), alloc.alloc(2))
+    value = alloc.alloc(4)
+    alloc.free(value[:tree.insert((1, 2, 3, 4), value)])  # (the duplicate head, as the scheduler frees it)
+    leaf = tree.match_prefix((1, 2, 3, 4)).last_node
+    units = torch.cat([leaf.parent.value, leaf.value]).numpy()  # the head's, then the leaf's
+    tree.inc_lock_ref(leaf)
+    tree.evict(4)  # the bug: the leaf (tokens 3, 4) is evicted under its lock call
+    tree.dec_lock_ref(leaf)
+    tree.inc_lock_ref(leaf.parent)
+    tree.dec_lock_ref(leaf.parent)
+    tree.evict(4)  # its parent (tokens 1, 2): its lock was released
+    frees = auditor.ledgers["token_to_kv_pool"].last_free[units]
+    by = rec.freed_by(units, frees)
+    assert by == ["unlocked"] * 2 + ([""] * 2 if bug else ["unlocked"] * 2), by
+    assert rec.freed_by(units[:2], frees[:2] + 1) == ["", ""]  # another free of the units is not the eviction
+
+
+def test_an_unlocked_eviction_of_units_a_locked_node_also_holds_is_the_trees_aliasing():
+    """A unit two nodes hold (the aftermath of an earlier premature free: a freed slot handed on and cached
+    again), evicted from the unlocked one while the other is locked, is not read as `unlocked`."""
+    tree, alloc, auditor, rec = _recorded_tree()
+    slots = alloc.alloc(2)
+    tree.insert((1, 2), slots)
+    tree.insert((3, 4), slots.clone())  # (the aliasing)
+    tree.inc_lock_ref(tree.match_prefix((3, 4)).last_node)
+    assert tree.evict(2) == 2
+    units = slots.numpy()
+    assert rec.freed_by(units, auditor.ledgers["token_to_kv_pool"].last_free[units]) == ["", ""]
 
 
 @pytest.mark.xfail(strict=True, reason="open: a stale read of an unwritten slot is classed by its last free (ts65)")

@@ -120,7 +120,8 @@ class Finding:
     # leak: the release where the unit lost its last owner; empty when it had none at any check
     lost_sites: list[Site] = field(default_factory=list)
     lost_from: str = ""  # leak: where the target last held the unit's owner (Root.where), if it said
-    # leak of a unit no owner held and no release named: what lost it, as the target says (Target.lost_by)
+    # leak of a unit no owner held and no release named: what lost it, as the target says (Target.lost_by);
+    # use-after-free: what the target says of the premature free (Target.freed_by)
     lost_by: str = ""
     # accounting-drift: the check that failed; stale-kv: the cause; lock-imbalance: "walk"; hang: what is
     # stuck; liveness: where the request sits and what it is; crash: what the target says of the request it

@@ -60,8 +60,10 @@ def _sig_leak(f) -> str:
 
 
 def _sig_use_after_free(f) -> str:
-    """Allocated at; the path of the premature free (its caller above the release plumbing, as a leak's)."""
-    return _checked(f, [allocated(f.alloc_sites)] + [release_path(f.free_sites)] * bool(f.free_sites))
+    """Allocated at; the path of the premature free (its caller above the release plumbing, as a leak's);
+    then what the target says of that free (``Target.freed_by``, e.g. ``unlocked``), when it says."""
+    return _checked(f, [allocated(f.alloc_sites)] + [release_path(f.free_sites)] * bool(f.free_sites)
+                    + [f.lost_by] * bool(f.lost_by))
 
 
 def _sig_double_free(f) -> str:
@@ -145,6 +147,7 @@ def _con_use_after_free(f) -> list:
     if f.free_sites or f.used_by:  # (files recorded before 2026-12 have neither)
         out += [("stack", "freed (too early) at:", f.free_sites),
                 ("text", f"still used by: {', '.join(f.used_by) or 'a live owner'}", "")]
+        out += [("text", f"what the target says of that free: {f.lost_by}", "")] if f.lost_by else []
         out += [("stack", "used after the free at:", f.read_sites)] if f.read_sites else []
     return out + _alloc(f)
 

@@ -207,6 +207,7 @@ class Ledger:
                                    f"{_units(bad.size)} freed while {', '.join(users[:3])} still referenced "
                                    f"{_them(bad.size)}; its release freed {_them(bad.size)} again")
             f.free_sites, f.read_sites, f.used_by = prev_sites, again, users
+            f.lost_by = (self.target.freed_by(pool, bad[:1], np.array([prev], dtype=np.int64)) or [""])[0]
             return f
         f = self._unit_finding("double-free", pool, bad, f"{_units(bad.size)} freed while already free")
         f.free_sites, f.prev_free_sites = again, prev_sites

@@ -322,6 +322,14 @@ class Target:
         (default): the target records nothing."""
         return None
 
+    def freed_by(self, pool: str, units, frees) -> list[str] | None:
+        """Per unit of ``units`` (``[n] int64`` of ``pool``, used after a premature free) what the target
+        recorded of the free ``frees`` (``[n] int64`` event ids) that freed it: a use-after-free signature's
+        last part, telling two causes of one free path apart (the built-in engine: ``unlocked``, a tree
+        eviction of a node no lock receipt covered), ``""`` for nothing recorded; None (default): the
+        target records nothing."""
+        return None
+
     def free_lists(self) -> dict:
         """``{pool: [n] int64}``: the engine's free lists, checked against the event log; default none."""
         return {}

@@ -11,12 +11,15 @@ from kvaudit.audit.oracles.grouping import group_by_site, release_frame
 
 def use_after_free(auditor: Auditor, pool: str, units: np.ndarray, roots) -> list[Finding]:
     """``units`` (``[n] int64``) of ``pool`` that ``roots`` reference while the ledger holds them free:
-    one finding per (allocation site, the free that came too early), naming the owners still using them."""
+    one finding per (allocation site, the free that came too early, what the target says of that free:
+    ``Target.freed_by``), naming the owners still using them."""
     led = auditor.ledgers[pool]
     alloc, free = led.last_alloc[units].copy(), led.last_free[units].copy()
     for i, (a, f) in _broken_at(auditor, pool, units).items():
         alloc[i], free[i] = a, f
-    free_site = {u: (auditor.events[e].site if e >= 0 else -1, "") for u, e in zip(units.tolist(), free.tolist())}
+    by = auditor.target.freed_by(pool, units, free) or [""] * units.size  # what the target says of each free
+    free_site = {u: (auditor.events[e].site if e >= 0 else -1, "", b)
+                 for u, e, b in zip(units.tolist(), free.tolist(), by)}
     out = group_by_site(auditor, "use-after-free", pool, units, "referenced by a live owner but free in the ledger",
                          second=free_site, into="free_sites", alloc_events=alloc)
     for f in out:

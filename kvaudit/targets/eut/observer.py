@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.eut.deltas import EutDeltas
+from kvaudit.targets.eut.evictions import Evictions
 from kvaudit.targets.eut.tree_edits import TreeEdits
 from kvaudit.targets.base import (Accounting, IdleRoots, LockImbalance, Recount, Root, Target, records_roots,
                                   slot_pages, wrap_insert)
@@ -35,6 +36,7 @@ class EutObserver(Target):
     except through the wrappers its ``install_*`` methods add."""
 
     lock_holders_exact = True  # lock_holders() reads every lock receipt the engine keeps
+    evictions: Evictions | None = None  # the token pool's tree evictions (freed_by), once installed
 
     # -- KV content (shadow tags) ------------------------------------------------------------
     def kv_pools(self) -> dict[str, int]:
@@ -368,6 +370,20 @@ class EutObserver(Target):
                                          n.host_ref, want.get(("host", id(n)), 0),
                                          {n.id} | {d.id for d in tree.nodes(n)}, "host", "hicache_host"))
         return out
+
+    def install_pool(self, spec, auditor, wrap) -> None:
+        """The standard wrappers; for the token pool, the tree's evictions are recorded too (:meth:`freed_by`)."""
+        super().install_pool(spec, auditor, wrap)
+        tree = self.engine.tree_cache
+        if spec.name == "token_to_kv_pool" and not tree.disable:
+            self.evictions = Evictions(auditor, spec.name, spec.page_size)
+            self.evictions.install(tree, wrap)
+
+    def freed_by(self, pool: str, units, frees) -> list[str] | None:
+        """``unlocked`` for each of ``units`` that ``frees`` freed by evicting a tree node no lock receipt
+        covered (:class:`Evictions`), else ``""``; None for a pool whose evictions are not recorded."""
+        rec = self.evictions
+        return rec.freed_by(units, frees) if rec is not None and pool == rec.pool else None
 
     def install_lock_ledger(self, wrap, record) -> None:
         """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree to ``record(node_id, delta)``, and
