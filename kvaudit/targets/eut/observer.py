@@ -372,10 +372,11 @@ class EutObserver(Target):
         return out
 
     def install_pool(self, spec, auditor, wrap) -> None:
-        """The standard wrappers; for the token pool, the tree's evictions are recorded too (:meth:`freed_by`)."""
+        """The standard wrappers; for the token pool, the tree's evictions are recorded too (:meth:`freed_by`),
+        but in a search's lean run: what it finds is reported by its per-step replay, which records them."""
         super().install_pool(spec, auditor, wrap)
         tree = self.engine.tree_cache
-        if spec.name == "token_to_kv_pool" and not tree.disable:
+        if spec.name == "token_to_kv_pool" and not tree.disable and not auditor.lean:
             self.evictions = Evictions(auditor, spec.name, spec.page_size)
             self.evictions.install(tree, wrap)
 
