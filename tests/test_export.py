@@ -539,7 +539,7 @@ def test_the_issue_says_how_a_server_gets_there_where_the_driver_differs_and_how
     happens = issue.split("## What happens\n")[1].split("\n## ")[0]
     sure = issue.split("## How sure we are\n")[1]
     assert f"How a server gets there from client requests: {note.reach}." in happens
-    assert f"- This finding: {note.sure}.\n" in sure
+    assert f"- {note.sure[:1].upper()}{note.sure[1:]}.\n" in sure
     assert f"- Where kvaudit's driver could differ from a server on this path: {note.driver}.\n" in sure
 
 

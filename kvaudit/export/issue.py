@@ -157,7 +157,7 @@ def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str
     ``note``: its analysis, whose own confidence and driver differences (``sure``, ``driver``) come first."""
     api, package = ex.api, ex.package
     return ["## How sure we are", "",
-            *([f"- This finding: {note.sure}."] if note is not None and note.sure else []),
+            *([f"- {note.sure[:1].upper()}{note.sure[1:]}."] if note is not None and note.sure else []),
             *([f"- Where kvaudit's driver could differ from a server on this path: {note.driver}."]
               if note is not None and note.driver else []),
             f"- Seen: kvaudit drove {api.engine} {version}'s own memory manager and scheduler objects "
