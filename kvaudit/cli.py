@@ -559,8 +559,9 @@ def report_cmd(file, outputs):
 @main.command("export")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--issue", "issue_out", type=click.Path(dir_okay=False), default=None, metavar="OUT.md",
-              help="Write a Markdown bug report for the engine's tracker (title, server launch, program, client "
-                   "reproduction, the finding's engine frames, why, fix, what was not verified).")
+              help="Write a Markdown bug report for the engine's tracker (title, server launch, what happens and how a "
+                   "server gets there, program, client reproduction, the finding's engine frames, why, fix, how "
+                   "sure we are: the driver's differences and what was not verified).")
 @click.option("--client", "client_out", type=click.Path(dir_okay=False), default=None, metavar="OUT.py",
               help="Write a standalone client script (standard library only) that drives a real server's HTTP "
                    "API in the program's order and prints what a maintainer should see.")
