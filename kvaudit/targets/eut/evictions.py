@@ -33,11 +33,18 @@ class Evictions:
         self.receipts: dict[int, list] = {}  # node id -> [node, incs not yet matched by a dec]
 
     def install(self, tree, wrap) -> None:
-        """Wrap ``tree``'s ``inc_lock_ref``/``dec_lock_ref`` (the receipts) and ``_evict_lru``, so that each
-        unlocked node its ``release`` frees is recorded (the receipts' paths are read once per call, at its
-        first release: an eviction takes and drops no lock)."""
+        """Wrap ``tree``'s ``inc_lock_ref``/``dec_lock_ref`` (the receipts; its ``reset`` drops them) and
+        ``_evict_lru``, so that each unlocked node its ``release`` frees is recorded (the receipts' paths are
+        read once per call, at its first release: an eviction takes and drops no lock)."""
         for name, delta in (("inc_lock_ref", 1), ("dec_lock_ref", -1)):
             wrap(tree, name, self._counting(getattr(tree, name), delta))
+        reset, receipts = tree.reset, self.receipts
+
+        def reset_wrapper():  # a flush drops every node: the receipts of its locks (a session slot's, whose
+            receipts.clear()  # flush never unlocks it) would cover the old nodes' units, handed on since
+            return reset()
+
+        wrap(tree, "reset", reset_wrapper)
         evict_lru = tree._evict_lru
 
         def evict_lru_wrapper(num_tokens, candidate, release):
