@@ -598,6 +598,16 @@ def test_an_unlocked_eviction_of_units_a_locked_node_also_holds_is_the_trees_ali
     assert rec.freed_by(units, auditor.ledgers["token_to_kv_pool"].last_free[units]) == ["", ""]
 
 
+def test_the_whole_stack_of_an_unlocked_eviction_goes_on_past_the_receipts_wrappers():
+    """The eviction wrappers run between engine frames (``_evict_lru`` calls their ``release``): a whole stack
+    of the free goes on past them to ``_evict_lru``, ``evict`` and its caller, as without them; it ended at
+    ``release`` before (tg65)."""
+    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "session-close-while-running.json"))
+    found = [f for f in execute(config, SESSION_CLOSE_EVICTED).findings if f.signature.endswith("/unlocked")]
+    assert found and [s.function for s in found[0].free_sites] == [
+        "release", "_evict_lru", "evict", "process_input_requests"], found[0].free_sites
+
+
 def test_a_flush_drops_the_receipts_of_the_locks_it_never_releases():
     """A flush (``reset``) drops the tree with the locks on it (a session slot's lock is never released): the
     receipts go with it. Kept, they covered the dropped nodes' units, handed on since, and an unlocked eviction

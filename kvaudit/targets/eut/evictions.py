@@ -19,6 +19,8 @@ import weakref
 
 import numpy as np
 
+from kvaudit.audit.hooks import pass_through
+
 UNLOCKED = "unlocked"  # the freed_by value of a unit whose evicted node no live receipt covered
 
 
@@ -47,9 +49,11 @@ class Evictions:
         wrap(tree, "reset", reset_wrapper)
         evict_lru = tree._evict_lru
 
+        @pass_through
         def evict_lru_wrapper(num_tokens, candidate, release):
             covered: list = []  # [id() of the nodes a receipt covers, the units they hold], once read
 
+            @pass_through  # (between engine frames: a free's whole stack goes on to _evict_lru and its callers)
             def release_wrapper(node):
                 if not covered:
                     covered.extend(self._covered())
