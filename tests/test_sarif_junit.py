@@ -1009,3 +1009,20 @@ def test_junit_strips_characters_xml_cannot_carry():
     assert "bad byte <&>" in failure.text and "Traceback (most recent call last)" in failure.text
     assert not re.search("[\x00-\x08\x0b\x0c\x0e-\x1f]", failure.text)
     xml.encode("utf-8")  # no lone surrogate left
+
+
+def test_junit_and_sarif_say_what_the_target_says_of_a_use_after_frees_free():
+    """A use-after-free whose signature ends with what the target says of its free (``/unlocked``:
+    Target.freed_by) says it in JUnit's failure text and SARIF's properties too, as the console does; both
+    left it out before (tg65)."""
+    f = Finding(kind="use-after-free", pool="token_to_kv_pool", message="referenced by a live owner but free",
+                slots=[1, 2], num_units=2, lost_by="unlocked",
+                alloc_sites=[Site("engine_under_test/scheduler.py", 286, "alloc_for_extend")],
+                free_sites=[Site("engine_under_test/radix_cache.py", 223, "release")])
+    assert f.signature.endswith("/release@radix_cache.py/unlocked"), f.signature
+    failure = ET.fromstring(to_junit([f])).find(".//failure").text
+    assert "what the target says of that free: unlocked" in failure, failure
+    assert to_sarif([f])["runs"][0]["results"][0]["properties"]["freed_by"] == "unlocked"
+    plain = dataclasses.replace(f, lost_by="")
+    assert "what the target says" not in ET.fromstring(to_junit([plain])).find(".//failure").text
+    assert "freed_by" not in to_sarif([plain])["runs"][0]["results"][0]["properties"]

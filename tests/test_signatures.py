@@ -598,6 +598,43 @@ def test_an_unlocked_eviction_of_units_a_locked_node_also_holds_is_the_trees_ali
     assert rec.freed_by(units, auditor.ledgers["token_to_kv_pool"].last_free[units]) == ["", ""]
 
 
+def test_the_whole_stack_of_an_unlocked_eviction_goes_on_past_the_receipts_wrappers():
+    """The eviction wrappers run between engine frames (``_evict_lru`` calls their ``release``): a whole stack
+    of the free goes on past them to ``_evict_lru``, ``evict`` and its caller, as without them; it ended at
+    ``release`` before (tg65)."""
+    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "session-close-while-running.json"))
+    found = [f for f in execute(config, SESSION_CLOSE_EVICTED).findings if f.signature.endswith("/unlocked")]
+    assert found and [s.function for s in found[0].free_sites] == [
+        "release", "_evict_lru", "evict", "process_input_requests"], found[0].free_sites
+
+
+def test_a_flush_drops_the_receipts_of_the_locks_it_never_releases():
+    """A flush (``reset``) drops the tree with the locks on it (a session slot's lock is never released): the
+    receipts go with it. Kept, they covered the dropped nodes' units, handed on since, and an unlocked eviction
+    of those units in the new tree read as covered (tg65)."""
+    tree, alloc, auditor, rec = _recorded_tree()
+    slots = alloc.alloc(2)
+    tree.insert((1, 2), slots)
+    tree.inc_lock_ref(tree.match_prefix((1, 2)).last_node)  # (a session slot's lock: a flush never unlocks it)
+    tree.reset()
+    alloc.clear()
+    again = alloc.alloc(2)
+    tree.insert((5, 6), again)
+    assert tree.evict(2) == 2 and set(again.tolist()) == set(slots.tolist())
+    units = again.numpy()
+    assert rec.freed_by(units, auditor.ledgers["token_to_kv_pool"].last_free[units]) == ["unlocked"] * 2
+
+
+def test_a_session_closed_under_its_turn_after_a_flush_is_still_unlocked(zoo):
+    """The flush after a session's first turn (its slot's lock dropped with the tree) leaves the signature of
+    session-close-while-running as it is: it shared radix-lock-skips-matched-node's again before (tg65)."""
+    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "session-close-while-running.json"))
+    flushed = [OpenSession(), Submit(0, 1, 2, session=0), Idle(), FlushCache(), Idle()] + SESSION_CLOSE_EVICTED[1:]
+    found = set(execute(config, flushed).signatures)
+    assert found == set(execute(config, SESSION_CLOSE_EVICTED).signatures), found
+    assert not found & {f.signature for f in zoo["radix-lock-skips-matched-node"]}, found
+
+
 @pytest.mark.xfail(strict=True, reason="open: a stale read of an unwritten slot is classed by its last free (ts65)")
 def test_an_aborted_requests_unwritten_slot_read_from_the_tree_is_unwritten(zoo):
     config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "aborted-kv-inserted.json"))

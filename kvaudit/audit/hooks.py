@@ -37,6 +37,17 @@ _STOP, _READ = 1, 2  # owner lookup per code object (see Auditor._code_info)
 OWNER_FRAMES = 3  # innermost engine frames searched for the owner of an allocation
 
 
+_PASS_THROUGH: set[int] = set()  # id() of the code of pass_through() wrappers (their functions keep it alive)
+
+
+def pass_through(fn):
+    """Mark ``fn``, a target's wrapper that runs inside the engine's call chain (an engine method it wraps calls
+    engine code back: ``_evict_lru`` calling its ``release``), as a frame a whole stack's walk goes on past: any
+    other framework frame above an engine frame ends the engine's part of the stack. Returns ``fn``."""
+    _PASS_THROUGH.add(id(fn.__code__))
+    return fn
+
+
 def _is_install_closure(qualname: str) -> bool:
     # a function defined inside a target's install_* method (MyTarget.install_pool.<locals>.wrapper)
     head, sep, _ = qualname.partition(".<locals>.")
@@ -220,7 +231,7 @@ class Auditor(Ledger, PoolWrappers):
             code = f.f_code
             fw, look, entry, _ = cache.get(id(code)) or miss(code)
             if fw:
-                if depth:
+                if depth and id(code) not in _PASS_THROUGH:
                     break  # back in the framework (the runner): the engine's part of the stack ends
             else:
                 if looking and look:

@@ -257,7 +257,9 @@ TABLE: tuple[FindingKind, ...] = (
             if f.free_sites else "") + f"allocated at {site}"),
         signature=_sig_use_after_free, console=_con_use_after_free,
         labels=(("free_sites", "freed (too early) at"), ("read_sites", "used after the free at")),
-        stacks=("free_sites", "read_sites", "alloc_sites"), primary=("free_sites", "alloc_sites")),
+        stacks=("free_sites", "read_sites", "alloc_sites"), primary=("free_sites", "alloc_sites"),
+        facts=lambda f: [f"what the target says of that free: {f.lost_by}"] * bool(f.lost_by),
+        props=lambda f: {"freed_by": f.lost_by} if f.lost_by else {}),
     FindingKind(
         "double-free", 1, "DoubleFree",
         "KV-cache units freed while already free",

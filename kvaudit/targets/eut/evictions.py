@@ -19,6 +19,8 @@ import weakref
 
 import numpy as np
 
+from kvaudit.audit.hooks import pass_through
+
 UNLOCKED = "unlocked"  # the freed_by value of a unit whose evicted node no live receipt covered
 
 
@@ -33,16 +35,25 @@ class Evictions:
         self.receipts: dict[int, list] = {}  # node id -> [node, incs not yet matched by a dec]
 
     def install(self, tree, wrap) -> None:
-        """Wrap ``tree``'s ``inc_lock_ref``/``dec_lock_ref`` (the receipts) and ``_evict_lru``, so that each
-        unlocked node its ``release`` frees is recorded (the receipts' paths are read once per call, at its
-        first release: an eviction takes and drops no lock)."""
+        """Wrap ``tree``'s ``inc_lock_ref``/``dec_lock_ref`` (the receipts; its ``reset`` drops them) and
+        ``_evict_lru``, so that each unlocked node its ``release`` frees is recorded (the receipts' paths are
+        read once per call, at its first release: an eviction takes and drops no lock)."""
         for name, delta in (("inc_lock_ref", 1), ("dec_lock_ref", -1)):
             wrap(tree, name, self._counting(getattr(tree, name), delta))
+        reset, receipts = tree.reset, self.receipts
+
+        def reset_wrapper():  # a flush drops every node: the receipts of its locks (a session slot's, whose
+            receipts.clear()  # flush never unlocks it) would cover the old nodes' units, handed on since
+            return reset()
+
+        wrap(tree, "reset", reset_wrapper)
         evict_lru = tree._evict_lru
 
+        @pass_through
         def evict_lru_wrapper(num_tokens, candidate, release):
             covered: list = []  # [id() of the nodes a receipt covers, the units they hold], once read
 
+            @pass_through  # (between engine frames: a free's whole stack goes on to _evict_lru and its callers)
             def release_wrapper(node):
                 if not covered:
                     covered.extend(self._covered())
