@@ -118,7 +118,9 @@ def _click_message(e: click.ClickException) -> str:
 def _keeping_hypothesis_home():
     """``fuzz`` and ``ci`` point Hypothesis's files at their output directory: put an in-process caller's back."""
     conf = sys.modules.get("hypothesis.configuration")
-    before = conf.storage_directory(intent_to_write=False).home_directory if conf is not None else None
+    # (hypothesis < 6.155: storage_directory() is the home itself, a Path with no home_directory)
+    home = conf.storage_directory(intent_to_write=False) if conf is not None else None
+    before = getattr(home, "home_directory", home)
     try:
         yield
     finally:

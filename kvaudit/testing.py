@@ -105,7 +105,8 @@ def _hypothesis_home_in_scratch():
 
     from kvaudit.atomic import scratch_dir
 
-    home = configuration.storage_directory(intent_to_write=False).home_directory
+    home = configuration.storage_directory(intent_to_write=False)
+    home = getattr(home, "home_directory", home)  # (hypothesis < 6.155: the home itself, a Path)
     with scratch_dir("kvaudit-testing-") as scratch:
         configuration.set_hypothesis_home_dir(os.path.join(scratch, ".hypothesis"))
         try:

@@ -119,3 +119,12 @@ def freed_if_it_waits(fifo: str, after: float = 10.0):
         yield rescued
     finally:
         done.set()
+
+
+def hypothesis_home():
+    """Hypothesis's home directory now (its ``storage_directory()``; before Hypothesis 6.155 that is the home
+    itself, after it a path whose ``home_directory`` is)."""
+    from hypothesis.configuration import storage_directory
+
+    home = storage_directory(intent_to_write=False)
+    return getattr(home, "home_directory", home)

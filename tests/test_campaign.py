@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env, reached
+from cli_helpers import hypothesis_home, invoke, kvaudit_script, one_error_line, plain_env, reached
 
 from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit import replay
@@ -1023,9 +1023,7 @@ def test_ci_max_time_0_replays_the_regressions_only_and_makes_no_directory(tmp_p
     """--max-time 0 ("replay the regressions only") printed 'fuzz corpus over 13 preset(s), 0.0s of search
     each' and made an empty kvaudit-ci-out/, where Hypothesis's home then pointed for the rest of the
     process (a test suite's own Hypothesis tests wrote kvaudit-ci-out/.hypothesis/ into the checkout)."""
-    from hypothesis.configuration import storage_directory
-
-    home = storage_directory(intent_to_write=False).home_directory
+    home = hypothesis_home()
     regs = tmp_path / "regs"
     regs.mkdir()
     shutil.copy(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), regs / "a.json")
@@ -1035,16 +1033,14 @@ def test_ci_max_time_0_replays_the_regressions_only_and_makes_no_directory(tmp_p
     assert header.startswith(f"kvaudit ci: 1 regression file(s) in {regs}; no fuzz (--max-time 0: the regressions "
                              "only); start-up "), header
     assert "fuzz" not in r.stdout and not (tmp_path / "out").exists()
-    assert storage_directory(intent_to_write=False).home_directory == home
+    assert hypothesis_home() == home
 
 
 def test_fuzz_puts_hypothesis_s_home_back_for_an_in_process_caller(tmp_path):
-    from hypothesis.configuration import storage_directory
-
-    home = storage_directory(intent_to_write=False).home_directory
+    home = hypothesis_home()
     r = invoke("fuzz", "--fuzzer", "hypothesis", "--max-time", "1", "--out", str(tmp_path / "out"))
     assert r.exit_code == 0, r.output
-    assert storage_directory(intent_to_write=False).home_directory == home != tmp_path / "out" / ".hypothesis"
+    assert hypothesis_home() == home != tmp_path / "out" / ".hypothesis"
 
 
 def test_a_refused_fuzz_or_ci_makes_no_directory(tmp_path):

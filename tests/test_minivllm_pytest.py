@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from cli_helpers import invoke
+from cli_helpers import hypothesis_home, invoke
 
 from examples.minivllm.target import PRESETS
 from kvaudit import testing
@@ -149,11 +149,11 @@ def test_a_hypothesis_fuzz_leaves_no_files_in_the_working_directory(tmp_path):
     `kvaudit fuzz` never does (its files go to its own directory); a caller's Hypothesis home is kept."""
     from hypothesis import configuration
 
-    before = configuration.storage_directory(intent_to_write=False).home_directory
+    before = hypothesis_home()
     configuration.set_hypothesis_home_dir(tmp_path / ".hypothesis")  # (the default: the working directory's)
     try:
         result = testing.fuzz(TIGHT.config(), max_time=1, fuzzer="hypothesis")
-        assert configuration.storage_directory(intent_to_write=False).home_directory == tmp_path / ".hypothesis"
+        assert hypothesis_home() == tmp_path / ".hypothesis"
     finally:
         configuration.set_hypothesis_home_dir(before)
     assert result.executions > 0
