@@ -142,12 +142,17 @@ def _con_double_free(f) -> list:
         _con_sites(f)
 
 
+def _freed_by(f) -> list[str]:
+    # a use-after-free's line for what the target says of the premature free (Target.freed_by): console, JUnit
+    return [f"what the target says of that free: {f.lost_by}"] * bool(f.lost_by)
+
+
 def _con_use_after_free(f) -> list:
     out = []
     if f.free_sites or f.used_by:  # (files recorded before 2026-12 have neither)
         out += [("stack", "freed (too early) at:", f.free_sites),
                 ("text", f"still used by: {', '.join(f.used_by) or 'a live owner'}", "")]
-        out += [("text", f"what the target says of that free: {f.lost_by}", "")] if f.lost_by else []
+        out += [("text", line, "") for line in _freed_by(f)]
         out += [("stack", "used after the free at:", f.read_sites)] if f.read_sites else []
     return out + _alloc(f)
 
@@ -258,7 +263,7 @@ TABLE: tuple[FindingKind, ...] = (
         signature=_sig_use_after_free, console=_con_use_after_free,
         labels=(("free_sites", "freed (too early) at"), ("read_sites", "used after the free at")),
         stacks=("free_sites", "read_sites", "alloc_sites"), primary=("free_sites", "alloc_sites"),
-        facts=lambda f: [f"what the target says of that free: {f.lost_by}"] * bool(f.lost_by),
+        facts=_freed_by,
         props=lambda f: {"freed_by": f.lost_by} if f.lost_by else {}),
     FindingKind(
         "double-free", 1, "DoubleFree",
