@@ -77,6 +77,16 @@ def test_simplify_args_keeps_what_the_predicate_needs():
     assert out[0].prompt_len == 10 and out[1].n == 2
 
 
+def test_simplify_args_lowers_an_argument_by_one_where_its_half_loses_the_finding():
+    """The failure needs prompt_len >= 15, a 3-step step and a flush waiting 2 steps: their floors and halves
+    lose it, one less each time keeps it, so the result is the local minimum (it kept 20, 4 and 6 before)."""
+    from kvaudit.program import FlushCache
+
+    ops = [Submit(family=0, prompt_len=20, max_new_tokens=1), Step(4), FlushCache(timeout=6)]
+    out = simplify_args(ops, lambda p: p[0].prompt_len >= 15 and p[1].n >= 3 and p[2].timeout >= 2)
+    assert out == [Submit(family=0, prompt_len=15, max_new_tokens=1), Step(3), FlushCache(timeout=2)]
+
+
 def test_simplify_args_respects_the_floors():
     out = simplify_args([Submit(family=3, prompt_len=20, max_new_tokens=9, stop_at=4)], lambda p: True)
     assert out == [Submit(0, 1, 1, None)]

@@ -50,19 +50,31 @@ def ddmin(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
     return ops
 
 
+def _below(v: int, lo: int) -> list[int]:
+    """Values under ``v`` down to ``lo``, lowest first: ``lo``, half of ``v``, then halfway from there to ``v``
+    again and again, ``v - 1`` last (76: 1, 38, 57, 66, 71, 73, 74, 75)."""
+    out, c = {lo}, max(lo, v // 2)
+    while c < v:
+        out.add(c)
+        c += max(1, (v - c) // 2)
+    return sorted(c for c in out if c < v)
+
+
 def _simpler(op: Op) -> list[Op]:
     """Simpler forms of one op, simplest first, from the schema: an argument always drawn to the low end of
-    its range and to half its value, any other set argument to :attr:`Arg.toward` and then (a nullable one: a
-    submit's ``session``, ``stop_at``, ``priority`` ..., an abort's ``handle``) to the low end and half its value;
-    None stays None."""
+    its range, to half its value and to one less, any other set argument to :attr:`Arg.toward` and then (a
+    nullable one: a submit's ``session``, ``stop_at``, ``priority`` ..., an abort's ``handle``; a flush's
+    ``timeout``) to the low end, half its value and one less; None stays None. With one less last, no argument
+    of a program that none of its simpler forms reproduces could be lowered by one."""
     out: list[Op] = []
     for a in OPS[op.kind].args:
         v = getattr(op, a.name)
         if v is None:
             continue
-        lower = sorted(c for c in {a.lo, max(a.lo, v // 2)} if c < v)
+        lower = _below(v, a.lo)
         if a.p < 1.0 or a.simplest != "default":  # (a nullable one then lower: session=3 names the one open too)
-            cands = ([a.toward] if v != a.toward else []) + [c for c in lower if a.nullable and c != a.toward]
+            ordinal = a.nullable or a.simplest == "default"  # (a pause's mode names a kind: no order to lower)
+            cands = ([a.toward] if v != a.toward else []) + [c for c in lower if ordinal and c != a.toward]
         else:
             cands = lower
         out += [dataclasses.replace(op, **{a.name: c}) for c in cands]
