@@ -77,6 +77,16 @@ def test_simplify_args_keeps_what_the_predicate_needs():
     assert out[0].prompt_len == 10 and out[1].n == 2
 
 
+def test_simplify_args_lowers_an_argument_by_one_where_its_half_loses_the_finding():
+    """The failure needs prompt_len >= 15, a 3-step step and a flush waiting 2 steps: their floors and halves
+    lose it, one less each time keeps it, so the result is the local minimum (it kept 20, 4 and 6 before)."""
+    from kvaudit.program import FlushCache
+
+    ops = [Submit(family=0, prompt_len=20, max_new_tokens=1), Step(4), FlushCache(timeout=6)]
+    out = simplify_args(ops, lambda p: p[0].prompt_len >= 15 and p[1].n >= 3 and p[2].timeout >= 2)
+    assert out == [Submit(family=0, prompt_len=15, max_new_tokens=1), Step(3), FlushCache(timeout=2)]
+
+
 def test_simplify_args_respects_the_floors():
     out = simplify_args([Submit(family=3, prompt_len=20, max_new_tokens=9, stop_at=4)], lambda p: True)
     assert out == [Submit(0, 1, 1, None)]
@@ -200,3 +210,70 @@ def test_a_session_handle_is_lowered_to_the_one_open_session():
     sig = execute(config, program).signatures[0]
     small = minimize(config, program, sig)
     assert [op.session for op in small if isinstance(op, Submit)] == [0], small
+
+
+# -- a watchdog hang: candidates under a shorter step limit ------------------------------------------
+
+HANG_PROGRAM = [Submit(0, 8, 4), HealthCheck(), Step(1), Submit(1, 4, 2), Step(1), HealthCheck(), Step(1), Step(2),
+                Idle()]
+
+
+def _stuck_engine(monkeypatch, slow: float):
+    """The eut's scheduler step never returns from its 5th forward (until the watchdog's StepTimeout), and in
+    every run but the first sleeps ``slow`` s at its 4th; the user's step limit 1.2 s, the probe's 0.2 s (the
+    watchdog's least). Returns the step limit of every run."""
+    import time
+
+    from engine_under_test.scheduler import Scheduler
+    from kvaudit.audit import runner
+    from kvaudit.search import minimize as minimize_mod
+
+    step = Scheduler.step
+
+    def stuck(self):
+        if self.forward_ct == 3 and len(limits) > 1:
+            time.sleep(slow)
+        while self.forward_ct >= 4:
+            time.sleep(0.01)
+        return step(self)
+
+    limits = []
+    monkeypatch.setattr(Scheduler, "step", stuck)
+    monkeypatch.setattr(runner, "_step_timeout", 1.2)
+    monkeypatch.setattr(minimize_mod, "HANG_PROBE", 0.2, raising=False)  # (absent before: the limits tell)
+
+    def spy(*args, **kwargs):
+        limits.append(kwargs.get("step_limit"))
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(minimize_mod, "execute", spy)
+    return limits
+
+
+def test_a_watchdog_hangs_candidates_run_under_the_probes_limit_and_its_result_under_the_users(monkeypatch):
+    """Every candidate that reproduces a watchdog hang used to wait the user's whole step limit (10 s by
+    default): they run under the probe's, and the result once more under the user's."""
+    from kvaudit.audit.runner import is_watchdog_hang
+
+    limits = _stuck_engine(monkeypatch, slow=0.0)
+    hang = execute(get_preset("default").config(), HANG_PROGRAM, full_stacks=False).findings[0]
+    assert is_watchdog_hang(hang)
+    limits.clear()
+    small = minimize(get_preset("default").config(), HANG_PROGRAM, hang.signature)
+    assert limits[0] is None and limits[-1] is None, limits  # the input and the result: the user's limit
+    assert set(limits[1:-1]) == {0.2}, limits
+    assert reproduces(get_preset("default").config(), small, hang.signature)
+
+
+def test_a_slow_step_the_probe_took_for_the_hang_sends_minimization_back_to_the_users_limit(monkeypatch):
+    """A 0.5 s step the input's run did not take (under the user's 1.2 s) is a hang at the same frame under the
+    probe's 0.2 s: the probe's result does not hang under the user's limit, and minimization starts again
+    there; its result reproduces."""
+    limits = _stuck_engine(monkeypatch, slow=0.5)
+    config = get_preset("default").config()
+    sig = execute(config, HANG_PROGRAM, full_stacks=False).signatures[0]
+    limits.clear()
+    small = minimize(config, HANG_PROGRAM, sig)
+    probed = limits.index(0.2)
+    assert limits[-1] is None and None in limits[probed:-1], limits  # candidates again under the user's limit
+    assert reproduces(config, small, sig), small

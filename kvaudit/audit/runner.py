@@ -660,12 +660,12 @@ def warm_up(config: TargetConfig) -> None:
 
 
 def execute(config: TargetConfig, program: list[Op], full_stacks: bool = True, suppressions=None, drain: bool = False,
-            on_op: Callable[[int, int], None] | None = None) -> Execution:
+            on_op: Callable[[int, int], None] | None = None, step_limit: float | None = None) -> Execution:
     """Run ``program`` from a fresh engine; stop at the first op that produced a finding
     ``suppressions`` does not cover. With ``drain``, a run with findings then records the engine's
     verdict at idle in each finding's ``engine_check_at_idle``. ``on_op(ops run, scheduler steps)``
-    is called after each op."""
-    with AuditedRun(config, full_stacks=full_stacks, suppressions=suppressions) as run:
+    is called after each op. ``step_limit``: the watchdog's seconds (default :func:`step_timeout`)."""
+    with AuditedRun(config, full_stacks=full_stacks, suppressions=suppressions, step_limit=step_limit) as run:
         for op in program:
             found = run.apply(op)
             if on_op is not None:

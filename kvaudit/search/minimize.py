@@ -11,12 +11,31 @@ from typing import Callable
 from kvaudit.config import TargetConfig
 from kvaudit.program import Op, Step
 from kvaudit.program.schema import OPS, optional_defaults
-from kvaudit.audit.runner import execute
+from kvaudit.audit.runner import execute, step_timeout
+
+HANG_PROBE = 1.0
+"""Seconds: the least step limit a candidate runs under while a watchdog hang is minimized (:func:`probe_limit`)."""
 
 
-def reproduces(config: TargetConfig, program: list[Op], signature: str, suppressions=None) -> bool:
-    """Whether one fresh run of ``program`` (fast stacks, ``suppressions`` left out) yields ``signature``."""
-    return signature in execute(config, program, full_stacks=False, suppressions=suppressions).signatures
+def reproduces(config: TargetConfig, program: list[Op], signature: str, suppressions=None,
+               step_limit: float | None = None) -> bool:
+    """Whether one fresh run of ``program`` (fast stacks, ``suppressions`` left out) yields ``signature``;
+    ``step_limit``: the watchdog's seconds (default :func:`kvaudit.audit.runner.step_timeout`)."""
+    return signature in execute(config, program, full_stacks=False, suppressions=suppressions,
+                                step_limit=step_limit).signatures
+
+
+def probe_limit(signature: str, seconds: float) -> float | None:
+    """The step limit the candidates of a watchdog hang (``hang/-/stuck:SITE``, docs/reference/signatures.md)
+    can run under, given the ``seconds`` the input's run took: what it took besides its stuck step, at least
+    :data:`HANG_PROBE`; None (the user's limit) for another signature or where that is no shorter. A
+    reproducing candidate waits its whole step limit; a stuck step is stuck under either limit, and a slow one
+    this cuts short :func:`minimize` checks by running its result again under the user's limit."""
+    kind, _, site = (signature.split("/", 2) + ["", ""])[:3]
+    if kind != "hang" or not site.startswith("stuck:"):
+        return None
+    limit = max(HANG_PROBE, seconds - step_timeout())
+    return limit if limit < step_timeout() else None
 
 
 def ddmin(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
@@ -50,19 +69,31 @@ def ddmin(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
     return ops
 
 
+def _below(v: int, lo: int) -> list[int]:
+    """Values under ``v`` down to ``lo``, lowest first: ``lo``, half of ``v``, then halfway from there to ``v``
+    again and again, ``v - 1`` last (76: 1, 38, 57, 66, 71, 73, 74, 75)."""
+    out, c = {lo}, max(lo, v // 2)
+    while c < v:
+        out.add(c)
+        c += max(1, (v - c) // 2)
+    return sorted(c for c in out if c < v)
+
+
 def _simpler(op: Op) -> list[Op]:
     """Simpler forms of one op, simplest first, from the schema: an argument always drawn to the low end of
-    its range and to half its value, any other set argument to :attr:`Arg.toward` and then (a nullable one: a
-    submit's ``session``, ``stop_at``, ``priority`` ..., an abort's ``handle``) to the low end and half its value;
-    None stays None."""
+    its range, to half its value and to one less, any other set argument to :attr:`Arg.toward` and then (a
+    nullable one: a submit's ``session``, ``stop_at``, ``priority`` ..., an abort's ``handle``; a flush's
+    ``timeout``) to the low end, half its value and one less; None stays None. With one less last, no argument
+    of a program that none of its simpler forms reproduces could be lowered by one."""
     out: list[Op] = []
     for a in OPS[op.kind].args:
         v = getattr(op, a.name)
         if v is None:
             continue
-        lower = sorted(c for c in {a.lo, max(a.lo, v // 2)} if c < v)
+        lower = _below(v, a.lo)
         if a.p < 1.0 or a.simplest != "default":  # (a nullable one then lower: session=3 names the one open too)
-            cands = ([a.toward] if v != a.toward else []) + [c for c in lower if a.nullable and c != a.toward]
+            ordinal = a.nullable or a.simplest == "default"  # (a pause's mode names a kind: no order to lower)
+            cands = ([a.toward] if v != a.toward else []) + [c for c in lower if ordinal and c != a.toward]
         else:
             cands = lower
         out += [dataclasses.replace(op, **{a.name: c}) for c in cands]
@@ -132,6 +163,16 @@ class OutOfTime(Exception):
         self.smallest = smallest
 
 
+def _passes(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
+    """ddmin, then argument and step passes with ddmin again, to a fixpoint (docs/internals/fuzzers.md)."""
+    ops = ddmin(ops, fails)
+    while True:  # to a fixpoint: minimizing the result again changes nothing
+        before = ops
+        ops = merge_steps(ddmin(simplify_round(reset_defaults(ops, fails), fails), fails), fails)
+        if ops == before:
+            return ops
+
+
 def minimize(config: TargetConfig, program: list[Op], signature: str, suppressions=None,
              until: float | None = None, on_run: Callable[[int, int], None] | None = None) -> list[Op]:
     """The smallest program found that still yields ``signature`` (minimizing it again returns it unchanged),
@@ -139,9 +180,21 @@ def minimize(config: TargetConfig, program: list[Op], signature: str, suppressio
     starts past it. ``on_run(runs, ops of the smallest program that reproduced so far)`` is called after each run
     (the input's length until one reproduced). Raises ``ValueError`` if ``program`` does not reproduce it,
     :class:`OutOfTime` past ``until`` and :class:`Interrupted` when interrupted (both with the smallest program
-    so far)."""
+    so far). A watchdog hang's candidates run under :func:`probe_limit`'s limit; its result is run again under
+    the user's, and where it does not reproduce there, minimization starts again under the user's limit."""
     cache: dict[tuple, bool] = {}
     smallest: list[Op] | None = None  # NOTE: every pass moves only to programs that fail: the latest is the best
+    limit: float | None = None  # a candidate's step limit (None: the user's)
+
+    def run(ops: list[Op]) -> bool:
+        nonlocal limit
+        if limit is not None:
+            return reproduces(config, ops, signature, suppressions, step_limit=limit)
+        started = time.monotonic()
+        found = reproduces(config, ops, signature, suppressions)
+        if smallest is None and found:  # the input, under the user's limit
+            limit = probe_limit(signature, time.monotonic() - started)
+        return found
 
     def fails(ops: list[Op]) -> bool:
         nonlocal smallest
@@ -150,7 +203,7 @@ def minimize(config: TargetConfig, program: list[Op], signature: str, suppressio
         if ran:
             if smallest is not None and until is not None and time.monotonic() > until:
                 raise OutOfTime(smallest)
-            cache[key] = bool(ops) and reproduces(config, ops, signature, suppressions)
+            cache[key] = bool(ops) and run(ops)
         if cache[key] and (smallest is None or len(ops) <= len(smallest)):
             smallest = list(ops)
         if ran and on_run is not None:
@@ -160,12 +213,14 @@ def minimize(config: TargetConfig, program: list[Op], signature: str, suppressio
     try:
         if not fails(list(program)):
             raise ValueError(f"program does not reproduce {signature}")
-        ops = ddmin(list(program), fails)
-        while True:  # to a fixpoint: minimizing the result again changes nothing
-            before = ops
-            ops = merge_steps(ddmin(simplify_round(reset_defaults(ops, fails), fails), fails), fails)
-            if ops == before:
-                return ops
+        ops = _passes(list(program), fails)
+        if limit is not None and ops != program and not reproduces(config, ops, signature, suppressions):
+            # NOTE: the probe's limit cut a slow step short somewhere: nothing it decided stands
+            limit, smallest = None, list(program)
+            cache.clear()
+            cache[tuple(program)] = True
+            ops = _passes(list(program), fails)
+        return ops
     except (Interrupted, OutOfTime):
         raise
     except KeyboardInterrupt:
