@@ -179,9 +179,12 @@ def _set_step_timeout(ctx, param, value):
                                  f"a step that started: a shorter limit cannot be kept), got {value:.15g}", param=param)
     if isinstance(ctx.obj, dict) and ctx.obj.get(CHECK_ONLY):
         return value  # parses(), or a command line it refused: the value checked, the runner (torch) not imported
-    from kvaudit.audit.runner import set_step_timeout
+    from kvaudit.audit.runner import set_step_timeout, step_timeout
 
-    set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)  # process-wide: reset every command
+    # process-wide: reset every command, and the caller's put back when it returns (an in-process caller, a test,
+    # kept the last command's, fuzz's and ci's own for their budget included)
+    ctx.call_on_close(functools.partial(set_step_timeout, step_timeout()))
+    set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)
     return value
 
 
