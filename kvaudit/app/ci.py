@@ -17,7 +17,7 @@ from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 refused, write_error)
 from kvaudit.app.configs import check_available, check_db, presets_arg
-from kvaudit.app.files import check_dir, load_suppressions, reports_written, write_reports
+from kvaudit.app.files import check_dir, folder_problem, load_suppressions, reports_written, write_reports
 from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY, not_reached, print_replay_file, print_shipped_analysis
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
@@ -143,10 +143,8 @@ def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
     if regressions_dir is None and kind.regressions is not None:
         here = kind.regressions
         regressions_dir = here if os.path.isdir(here) else data_path(*here.split("/"))
-    if regressions_dir is not None and not os.path.isdir(regressions_dir):
-        # (click refuses a file itself; ``FILE/`` reaches here)
-        what = ("a file, not a folder: it takes a folder of replay files (*.json)"
-                if os.path.exists(regressions_dir.rstrip(os.sep) or os.sep) else "no such directory")
+    what = folder_problem(regressions_dir) if regressions_dir is not None else None
+    if what is not None:  # (the one given: the CLI's callback said so first, before any engine was imported)
         raise InputError(f"--regressions {regressions_dir}: {what}")
     return regressions_dir
 
