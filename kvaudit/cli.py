@@ -23,7 +23,8 @@ from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT
 from kvaudit.app.files import check_outputs, folder_problem
 from kvaudit.app.interrupts import end_startup_interrupt, restoring_sigint
 from kvaudit.config import json_value
-from kvaudit.constants import CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, WATCHDOG_IDLE_POLL
+from kvaudit.constants import (CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, WATCHDOG_IDLE_POLL,
+                               check_step_timeout)
 from kvaudit.search import fuzzers
 from kvaudit.reports.outputs import FORMATS
 from kvaudit.targets.registry import TargetDefinitionError
@@ -183,10 +184,7 @@ _suppress_option = click.option(
 
 
 def _set_step_timeout(ctx, param, value):
-    value = _seconds()(ctx, param, value)
-    if value is not None and value < WATCHDOG_IDLE_POLL:  # (1e-300 was taken: every step a hang, or none)
-        raise click.BadParameter(f"must be at least {WATCHDOG_IDLE_POLL:g} seconds (how often the watchdog looks for "
-                                 f"a step that started: a shorter limit cannot be kept), got {value:.15g}", param=param)
+    value = _checked(lambda v: check_step_timeout(check_seconds(v)))(ctx, param, value)  # (as kvaudit.testing.fuzz)
     if isinstance(ctx.obj, dict) and ctx.obj.get(CHECK_ONLY):
         return value  # parses(), or a command line it refused: the value checked, the runner (torch) not imported
     from kvaudit.audit.runner import set_step_timeout, step_timeout
