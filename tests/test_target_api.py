@@ -1120,15 +1120,10 @@ def test_a_plugin_target_whose_constructor_raises_is_one_line_exit_2_its_traceba
 
 
 @dataclass(frozen=True)
-class LabelToyConfig(ConfigBase):
+class LabelToyConfig(BadToyConfig):
     """rowtoy's engine under a target whose ``preset`` (crash_by, lost_by or freed_by) raises."""
 
-    size: int = 48
-    bugs: frozenset = field(default_factory=frozenset)
     preset: str = "crash_by"
-    page_size = 1
-    num_slots = 47
-    context_len = 16
 
 
 class _LabelRaises(rowtoy_plugin.RowToyTarget):
