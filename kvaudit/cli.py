@@ -20,9 +20,11 @@ from kvaudit.app.budget import Budget, check_seconds
 from kvaudit.app.configs import (FuzzerChoice, TargetChoice, bugs_renderables, check_plugins, common_options,
                                  presets_table, replay_tree_core_option, select_config)
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
-from kvaudit.app.files import check_outputs
+from kvaudit.app.files import check_outputs, folder_problem
 from kvaudit.app.interrupts import end_startup_interrupt, restoring_sigint
-from kvaudit.constants import CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, WATCHDOG_IDLE_POLL
+from kvaudit.config import json_value
+from kvaudit.constants import (CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, WATCHDOG_IDLE_POLL,
+                               check_step_timeout)
 from kvaudit.search import fuzzers
 from kvaudit.reports.outputs import FORMATS
 from kvaudit.targets.registry import TargetDefinitionError
@@ -161,6 +163,15 @@ def _seconds(allow_zero: bool = False):
     return _checked(lambda value: check_seconds(value, allow_zero))
 
 
+def _folder(ctx, param, value):
+    """A folder to read (``ci --regressions``): a file given, with or without a trailing slash, or nothing there, is
+    one usage error in kvaudit's words (click's own check said ``Directory 'X' is a file.`` of the first only)."""
+    what = None if value is None else folder_problem(value)
+    if what is not None:
+        raise click.BadParameter(f"{value or json_value(value)}: {what}", param=param)
+    return value
+
+
 def _campaign_name(ctx, param, value):
     from kvaudit.search.hub import check_campaign_name
 
@@ -173,15 +184,15 @@ _suppress_option = click.option(
 
 
 def _set_step_timeout(ctx, param, value):
-    value = _seconds()(ctx, param, value)
-    if value is not None and value < WATCHDOG_IDLE_POLL:  # (1e-300 was taken: every step a hang, or none)
-        raise click.BadParameter(f"must be at least {WATCHDOG_IDLE_POLL:g} seconds (how often the watchdog looks for "
-                                 f"a step that started: a shorter limit cannot be kept), got {value:.15g}", param=param)
+    value = _checked(lambda v: check_step_timeout(check_seconds(v)))(ctx, param, value)  # (as kvaudit.testing.fuzz)
     if isinstance(ctx.obj, dict) and ctx.obj.get(CHECK_ONLY):
         return value  # parses(), or a command line it refused: the value checked, the runner (torch) not imported
-    from kvaudit.audit.runner import set_step_timeout
+    from kvaudit.audit.runner import set_step_timeout, step_timeout
 
-    set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)  # process-wide: reset every command
+    # process-wide: reset every command, and the caller's put back when it returns (an in-process caller, a test,
+    # kept the last command's, fuzz's and ci's own for their budget included)
+    ctx.call_on_close(functools.partial(set_step_timeout, step_timeout()))
+    set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)
     return value
 
 
@@ -396,7 +407,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
 @click.option("--fuzzer", type=FuzzerChoice(), default=CAMPAIGN_FUZZER, show_default=True,
               help="The fuzzer of each preset's campaign (the default keeps its programs in --corpus DIR/<preset>).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+@click.option("--regressions", "regressions_dir", type=click.Path(), default=None, metavar="DIR", callback=_folder,
               help="Replay files that must still reproduce (and be clean when their switches are off) "
                    "[default: the regression corpus the --target kind ships, ./corpora/regressions for the "
                    "built-in engine (docs/guides/ci.md lists each kind's); a kind that ships none needs this option].")

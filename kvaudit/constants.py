@@ -13,6 +13,20 @@ DEFAULT_STEP_TIMEOUT = 10.0  # kvaudit.audit.runner: seconds an engine step may 
 # kvaudit.audit.runner: how often the watchdog looks for an armed step while none is (a step it has not seen yet
 # can run this long): the least --step-timeout it honours
 WATCHDOG_IDLE_POLL = 0.2
+
+
+def check_step_timeout(value) -> float:
+    """The watchdog's limit on one engine step (``--step-timeout``; :func:`kvaudit.testing.fuzz`'s ``step_timeout``):
+    ``value`` as a float when it is a finite number of seconds of at least :data:`WATCHDOG_IDLE_POLL`. Raises
+    ``ValueError`` with the reason, for the caller to prefix with the option's or the argument's name."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be a finite number of seconds, got a {type(value).__name__}")
+    if not value - value == 0:  # inf or nan (math.isfinite, without an import)
+        raise ValueError(f"must be a finite number of seconds, got {value:.15g}")
+    if value < WATCHDOG_IDLE_POLL:  # (1e-300 was taken: every step a hang, or none)
+        raise ValueError(f"must be at least {WATCHDOG_IDLE_POLL:g} seconds (how often the watchdog looks for a step "
+                         f"that started: a shorter limit cannot be kept), got {value:.15g}")
+    return float(value)
 EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: a program kvaudit needs (atheris) is not installed here
 MISSING_ATHERIS = ("atheris is not installed here ('pip install atheris': it has wheels for Linux x86-64 only; "
                    "elsewhere it builds from source and needs clang with libFuzzer, "

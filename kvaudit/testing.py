@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvaudit.config import json_value
-from kvaudit.constants import DEFAULT_FUZZER, WATCHDOG_IDLE_POLL
+from kvaudit.constants import DEFAULT_FUZZER, check_step_timeout
 
 
 class KvauditFailure(AssertionError):
@@ -81,10 +81,11 @@ def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZ
 
     if not (isinstance(max_time, (int, float)) and math.isfinite(max_time) and max_time > 0):
         raise ValueError(f"max_time must be a finite number of seconds > 0, got {json_value(max_time, 60)}")
-    if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and math.isfinite(step_timeout)
-                                         and step_timeout >= WATCHDOG_IDLE_POLL):  # (as --step-timeout)
-        raise ValueError(f"step_timeout must be a finite number of seconds >= {WATCHDOG_IDLE_POLL:g}, got "
-                         f"{json_value(step_timeout, 60)}")
+    if step_timeout is not None:
+        try:
+            check_step_timeout(step_timeout)  # (as --step-timeout)
+        except ValueError as e:
+            raise ValueError(f"step_timeout {e}") from None
     valid = [n for n, k in fuzzers.kinds().items() if k.in_process]
     if fuzzer not in valid:
         raise ValueError(f"unknown fuzzer {json_value(fuzzer, 60)} (valid: {', '.join(valid)})")

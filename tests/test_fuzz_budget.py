@@ -302,6 +302,20 @@ def test_fuzz_step_timeout_defaults_to_a_fraction_of_the_budget(tmp_path):
     assert "--step-timeout" in invoke("replay", "--help").stdout and "--step-timeout" in invoke("ci", "--help").stdout
 
 
+
+def test_a_command_puts_the_callers_step_limit_back_when_it_returns(tmp_path):
+    """`kvaudit ci` (and fuzz) set the process-wide step limit for their search (1 s for a 1 s budget), and
+    --step-timeout set it for every command, and left it set after they returned: an in-process caller (a test,
+    the pytest fixture's replay) ran its next engine steps under the last command's limit. Each puts back the
+    caller's when it returns."""
+    (tmp_path / "regs").mkdir()
+    runner.set_step_timeout(7.0)  # (the caller's own, not the default)
+    for args in (["ci", "--max-time", "1", "--presets", "default", "--regressions", str(tmp_path / "regs")],
+                 ["fuzz", "--max-time", "1"], ["fuzz", "--max-time", "1", "--step-timeout", "3"]):
+        res = invoke(*args, "--out", str(tmp_path / "out"))
+        assert res.exit_code == 0, res.output + res.stderr
+        assert runner.step_timeout() == 7.0, args
+
 # -- --max-time is search time (issue 34) -----------------------------------------------------------------
 
 def _slow_first_engine(monkeypatch, seconds=0.8):

@@ -1148,6 +1148,46 @@ def test_ci_interrupted_in_a_clean_fuzz_does_not_call_it_clean(tmp_path, monkeyp
     assert not (tmp_path / "out").exists()  # nothing was written there
 
 
+
+def test_ci_interrupted_names_the_regressions_and_presets_it_never_started(tmp_path, monkeypatch):
+    """After Ctrl-C the job's table left out the regression files not replayed yet and the presets not fuzzed
+    yet: a CI log's reader saw rows for what ran and could not tell the rest had been planned. Each has its
+    row, 'not run: interrupted before it started'."""
+    from kvaudit.search import campaign, ci
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions",
+                       "session-close-while-running.json")
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    for name in ("a.json", "b.json"):
+        shutil.copy(src, regs / name)
+    check = ci.check_regression
+
+    def first_only(path, *a, **k):
+        if path.endswith("b.json"):
+            raise KeyboardInterrupt
+        return check(path, *a, **k)
+
+    monkeypatch.setattr(ci, "check_regression", first_only)
+    r = invoke("ci", "--max-time", "10", "--presets", "default,chunked", "--regressions", str(regs),
+               "--out", str(tmp_path / "out"))
+    assert r.exit_code == 130, r.output
+    rows = {line.split()[1]: line for line in r.stdout.splitlines()
+            if line.startswith(("  regression ", "  fuzz "))}
+    assert "ok" in rows["a"] and "not run" not in rows["a"], r.stdout
+    for name in ("b", "default", "chunked"):
+        assert "not run: interrupted before it started" in rows[name], r.stdout
+
+    monkeypatch.setattr(ci, "check_regression", check)
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(interrupted=True))
+    (regs / "b.json").unlink()
+    r = invoke("ci", "--max-time", "10", "--presets", "default,chunked", "--regressions", str(regs),
+               "--out", str(tmp_path / "out"))
+    assert r.exit_code == 130, r.output
+    rows = {line.split()[1]: line for line in r.stdout.splitlines() if line.startswith(("  regression ", "  fuzz "))}
+    assert "interrupted before its share ended" in rows["default"] and "not run" not in rows["default"]
+    assert "not run: interrupted before it started" in rows["chunked"], r.stdout
+
 def test_ci_interrupted_in_a_clean_fuzz_has_no_passing_case_and_its_html_and_json_say_interrupted(tmp_path,
                                                                                                  monkeypatch):
     """Tester 61b: an interrupted ci wrote a passing 'default: no new findings' JUnit case beside the skipped

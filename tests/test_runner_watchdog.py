@@ -286,8 +286,25 @@ def test_the_pytest_fixtures_fuzz_finds_a_hang_within_a_short_budget(hangs_after
     assert result.signatures == ["hang/-/stuck:_spin_forever@test_runner_watchdog.py"]
     assert runner.step_timeout() == runner.DEFAULT_STEP_TIMEOUT  # (put back: the next test's runs keep it)
     for bad in (0.01, float("inf"), float("nan")):  # (refused as --step-timeout refuses them)
-        with pytest.raises(ValueError, match="step_timeout must be a finite number of seconds >= 0.2, got "):
+        with pytest.raises(ValueError, match="^step_timeout must be "):
             testing.fuzz(get_preset("default").config(), max_time=3, step_timeout=bad)
+
+
+@pytest.mark.parametrize("bad", ["0.01", "1e-300", "inf", "nan"])
+def test_the_pytest_fixtures_step_timeout_is_refused_in_the_words_of_step_timeout(bad):
+    """kvaudit.testing.fuzz checked its step_timeout with a predicate of its own beside --step-timeout's, in other
+    words ('step_timeout must be a finite number of seconds >= 0.2, got 0.01' against 'must be at least 0.2
+    seconds (how often the watchdog looks for a step that started: ...), got 0.01'): one check
+    (kvaudit.constants.check_step_timeout), one reason, whichever door the value came in by."""
+    from cli_helpers import invoke, one_error_line
+
+    from kvaudit import testing
+
+    line = one_error_line(invoke("fuzz", "--max-time", "1", "--step-timeout", bad))
+    cli = line.removeprefix("kvaudit: error: Invalid value for '--step-timeout': ").rsplit(" (see '", 1)[0]
+    with pytest.raises(ValueError) as e:
+        testing.fuzz(get_preset("default").config(), max_time=3, step_timeout=float(bad))
+    assert str(e.value) == f"step_timeout {cli}"
 
 
 def test_ci_finds_a_hang_within_a_presets_short_share(hangs_after, tmp_path):

@@ -1119,6 +1119,82 @@ def test_a_plugin_target_whose_constructor_raises_is_one_line_exit_2_its_traceba
     assert "Traceback" in runs[1].stderr and "in __init__" in runs[1].stderr and "no device left" in runs[1].stderr
 
 
+@dataclass(frozen=True)
+class LabelToyConfig(BadToyConfig):
+    """rowtoy's engine under a target whose ``preset`` (crash_by, lost_by or freed_by) raises."""
+
+    preset: str = "crash_by"
+
+
+class _LabelRaises(rowtoy_plugin.RowToyTarget):
+    """crash_by: its engine raises at step 2; lost_by: a row allocated at step 2 no owner ever holds;
+    freed_by: a root still names a finished request's rows (a use-after-free)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.done = []
+        release = self.engine.release
+
+        def kept(r):
+            self.done.append(r.rows.copy())
+            release(r)
+        self.engine.release = kept
+
+    def step(self):
+        super().step()
+        if self.steps == 2 and self.config.preset == "crash_by":
+            raise KeyError("r9")
+        if self.steps == 2 and self.config.preset == "lost_by":
+            self.engine.pool.alloc(1)
+
+    def roots(self, aborting=True):
+        ghost = self.done[:1] if self.config.preset == "freed_by" else []
+        return super().roots() + [Root("rows", "req:ghost", rows) for rows in ghost]
+
+    def _bug(self, method: str):
+        if self.config.preset == method:
+            raise RuntimeError(f"{method}'s own bug")
+        return getattr(super(), method)
+
+    def crash_by(self, exc):
+        return self._bug("crash_by")(exc)
+
+    def lost_by(self, pool, units):
+        return self._bug("lost_by")(pool, units)
+
+    def freed_by(self, pool, units, frees):
+        return self._bug("freed_by")(pool, units, frees)
+
+
+@pytest.mark.parametrize("method", ["crash_by", "lost_by", "freed_by"])
+def test_a_plugins_crash_by_lost_by_or_freed_by_that_raises_is_the_targets_one_line_exit_2(method, tmp_path):
+    """A plugin's crash_by or freed_by that raised ended the run as 'kvaudit: internal error: RuntimeError: ...',
+    exit 70, blaming kvaudit; a lost_by that raised was reported as the engine's crash at the target's own line
+    (crash/-/RuntimeError@lost_by@...), exit 1. Each is the target's own mistake: one line naming the kind and
+    the method, exit 2 (docs/writing-a-target.md), its traceback behind KVAUDIT_DEBUG=1."""
+    from kvaudit.audit.runner import execute
+    from kvaudit.program import Idle, Step, Submit
+
+    kind = registry.register(registry.TargetKind(
+        "labelraises", "rowtoy's engine behind a target whose crash_by, lost_by or freed_by raises", LabelToyConfig,
+        presets=lambda: {n: Preset(n, n, {}, LabelToyConfig) for n in ("crash_by", "lost_by", "freed_by")},
+        make=_LabelRaises, default_preset="crash_by"))
+    try:
+        program = [Submit(prompt_len=4, max_new_tokens=2), Step(n=3), Idle()]
+        message = (f"target labelraises: _LabelRaises.{method} raised RuntimeError: {method}'s own bug "
+                   "(KVAUDIT_DEBUG=1 shows its traceback)")
+        with pytest.raises(registry.TargetDefinitionError, match=re.escape(message)):
+            execute(kind.preset(method).config(), program)
+        runs = [invoke("fuzz", "--target", "labelraises", "--preset", method, "--fuzzer", "random", "--max-time", "3",
+                       "--seed", "1", "--out", str(tmp_path), env=env) for env in ({}, {"KVAUDIT_DEBUG": "1"})]
+    finally:
+        registry._KINDS.pop("labelraises")
+    for r in runs:
+        assert r.exit_code == 2, r.output + r.stderr
+        assert r.stderr.strip().splitlines()[-1] == f"kvaudit: error: {message}"
+    assert "Traceback" not in runs[0].stderr and f"in {method}" in runs[1].stderr
+
+
 class _WrongWhenShort(rowtoy_plugin.RowToyTarget):
     def is_idle(self):  # a mistake only a program with one submit meets: one a minimization tries
         idle = super().is_idle()

@@ -17,7 +17,7 @@ from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 refused, write_error)
 from kvaudit.app.configs import check_available, check_db, presets_arg
-from kvaudit.app.files import check_dir, load_suppressions, reports_written, write_reports
+from kvaudit.app.files import check_dir, folder_problem, load_suppressions, reports_written, write_reports
 from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY, not_reached, print_replay_file, print_shipped_analysis
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
@@ -93,7 +93,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
             print_replay_file(console, config, path, suppress_file)
             print_shipped_analysis(console, config, findings, path)
             print_report(console, config, program, findings, closing=False)
-    _print_table(console, result)
+    _print_table(console, result, files, preset_names if per_preset > 0 else [])
     ran = any(run.executions for run in result.fuzz)
     if sset is not None:  # the presets' campaigns matched; the job's set is the file's
         sset.add_usage(usage for run in result.fuzz for usage in run.suppression_usage)
@@ -143,10 +143,8 @@ def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
     if regressions_dir is None and kind.regressions is not None:
         here = kind.regressions
         regressions_dir = here if os.path.isdir(here) else data_path(*here.split("/"))
-    if regressions_dir is not None and not os.path.isdir(regressions_dir):
-        # (click refuses a file itself; ``FILE/`` reaches here)
-        what = ("a file, not a folder: it takes a folder of replay files (*.json)"
-                if os.path.exists(regressions_dir.rstrip(os.sep) or os.sep) else "no such directory")
+    what = folder_problem(regressions_dir) if regressions_dir is not None else None
+    if what is not None:  # (the one given: the CLI's callback said so first, before any engine was imported)
         raise InputError(f"--regressions {regressions_dir}: {what}")
     return regressions_dir
 
@@ -189,12 +187,20 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
         raise KeyboardInterrupt
 
 
-def _print_table(console, result) -> None:
+def _print_table(console, result, files: list[str], presets: list[str]) -> None:
+    """The job's table: a row per regression file and per preset fuzzed, and one per file or preset ``files`` and
+    ``presets`` (the job's) name that never started (an interrupt, a full disk), saying so."""
     t = Table(title="kvaudit ci", title_justify="left")
     t.add_column("check", overflow="fold")
     t.add_column("result", overflow="fold")
+    why = "not run: " + ("interrupted before it started" if result.interrupted else
+                         "the disk was full (a preset before it could not write its finding)")
     for r in result.regressions:
         t.add_row(f"regression {r.name}", Text("ok", style="green") if r.ok else Text(r.problem, style="bold red"))
+    checked = {r.path for r in result.regressions}
+    for path in files:
+        if path not in checked:
+            t.add_row(f"regression {os.path.splitext(os.path.basename(path))[0]}", Text(why, style="yellow"))
     for run in result.fuzz:
         cut = " (interrupted)" if run.interrupted else ""
         t.add_row(f"fuzz {run.preset} ({run.seconds:.1f}s, {run.executions} executions){cut}",
@@ -208,6 +214,10 @@ def _print_table(console, result) -> None:
                   if run.known_open else Text("clean", style="green") if not run.nothing_searched
                   else Text("nothing searched (its share ended before one program ran): raise --max-time",
                             style="bold yellow"))
+    fuzzed = {run.preset for run in result.fuzz}
+    for preset in presets:
+        if preset not in fuzzed:
+            t.add_row(f"fuzz {preset}", Text(why, style="yellow"))
     print_table(console, t)
 
 

@@ -65,6 +65,16 @@ def check_paths(inputs: tuple[str, ...] = (), **paths) -> None:
         _check_writable(fmt, path, os.path.dirname(real), os.path.basename(real))
 
 
+def folder_problem(path: str) -> str | None:
+    """What ``path`` (a ``--regressions`` folder to read) is instead of a folder: a file (named with or without a
+    trailing slash), or nothing; None when it is a folder."""
+    if os.path.isdir(path):
+        return None
+    if path and os.path.exists(path.rstrip(os.sep) or os.sep):  # ("/" stripped is ""; "" itself is nothing)
+        return "a file, not a folder: it takes a folder of replay files (*.json)"
+    return "no such directory"
+
+
 def check_dir(path: str, flag: str) -> None:
     """An output directory (made when written): a directory or nothing yet, where a file can be created.
     Raises :class:`InputError`."""

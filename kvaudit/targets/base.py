@@ -612,8 +612,8 @@ def check_reads_always(target, kind: str) -> None:
     default keeps the API) what its rule says. A mistake met mid-run raises
     :class:`kvaudit.targets.registry.TargetDefinitionError` naming ``kind``, the method and the value,
     instead of an ``AttributeError`` in an oracle reported as the engine's crash (or, for ``is_idle()``
-    returning None, a hang of an idle engine). Replaces the instance's methods (the built-in kinds,
-    checked by their tests, skip the cost)."""
+    returning None, a hang of an idle engine); so does a :data:`LABELS` method that raises, naming it and the
+    exception. Replaces the instance's methods (the built-in kinds, checked by their tests, skip the cost)."""
     from kvaudit.targets.registry import TargetDefinitionError
 
     specs = target.pools()
@@ -646,10 +646,31 @@ def check_reads_always(target, kind: str) -> None:
             return got
         return read_checked
 
+    def owned(method: str):  # a raise in a method that only labels a finding is the target's, not the engine's
+        call = getattr(target, method)
+
+        def labelled(*args):
+            try:
+                return call(*args)
+            except TargetDefinitionError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- the plugin's own code
+                raise TargetDefinitionError(f"target {kind}: {name}.{method} raised {type(e).__name__}: "
+                                            f"{' '.join(str(e).split())} (KVAUDIT_DEBUG=1 shows its traceback)") from e
+        return labelled
+
     target.roots = roots
     for method, (fits, what) in _read_rules(set(sizes)).items():
         if getattr(cls, method) is not getattr(Target, method):
             setattr(target, method, checked(method, fits, what))
+    for method in LABELS:
+        if getattr(cls, method) is not getattr(Target, method):
+            setattr(target, method, owned(method))
+
+
+#: the optional methods that only label a finding (its signature's part): one that raises loses the finding, so
+#: :func:`check_reads_always` makes the raise the target's one line (exit 2), not the engine's crash or kvaudit's
+LABELS = ("crash_by", "lost_by", "freed_by")
 
 
 def _units_problem(cls_name: str, root: Root, top: int | None = None) -> str | None:
