@@ -952,6 +952,18 @@ def test_a_crash_traceback_shows_engine_frames_with_portable_paths():
     assert crash.traceback.rstrip().endswith("AssertionError: session_id='s0' already has a slot")
 
 
+@pytest.mark.parametrize("preset, tree", [("sglang", True), ("sglang-hisparse", False), ("sglang-pd-decode", False),
+                                          ("sglang-swa-chunkcache", False)])
+def test_evictions_for_alloc_are_counted_only_with_a_tree(preset, tree):
+    """With the radix cache off (sglang-hisparse, sglang-pd-decode, sglang-swa-chunkcache) nothing is ever
+    evictable, yet every clean run printed `evictions_for_alloc=0` and `not reached: evictions_for_alloc (... not
+    searched)`, a path no search could take there. The counter is given only with a tree."""
+    with AuditedRun(SGLANG_PRESETS[preset].config()) as run:
+        assert run.apply(Submit(0, 8, 2)) == [] and run.apply(Idle()) == []
+        assert bool(run.target.tree_cache.disable) is not tree
+        assert ("evictions_for_alloc" in run.target.reach()) is tree, run.target.reach()
+
+
 @pytest.mark.parametrize("preset", ["sglang-evict-tlru", "sglang-evict-priority", "sglang-evict-slru"])
 def test_an_eviction_policy_reaches_sglangs_tree_and_its_allocations_evict(preset):
     """--radix-eviction-policy(-config) is what SGLang's tree runs with (the Python core's strategy object,

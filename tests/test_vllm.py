@@ -358,6 +358,19 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
     assert any(b is x for x in table(run, "req-000004"))
 
 
+@pytest.mark.parametrize("preset, checked", [("vllm-spec", True), ("vllm-spec-async", False)])
+def test_stale_reads_are_counted_only_where_they_are_checked(preset, checked):
+    """A clean `kvaudit fuzz --target vllm --preset vllm-spec-async` printed `stale_reads_checked=0` and `not
+    reached: stale_reads_checked (no program of the N took these paths: not searched)`, though with drafts under
+    async scheduling the stale-KV check is never installed: no search could reach it. The counter is now given
+    only where the check runs (the synchronous vllm-spec counts reads as before)."""
+    with AuditedRun(cfg(preset)) as r:
+        for op in [Submit(0, 12, 20, ignore_eos=1), Step(4)]:
+            assert r.apply(op) == []
+        reach = r.target.reach()
+        assert ("stale_reads_checked" in reach) is checked and reach.get("stale_reads_checked", 1) > 0, reach
+
+
 def test_kv_whose_content_tags_are_lost_is_stale_at_its_next_read():
     """The shadow content tags of vLLM's blocks: every read a step implies is checked (and counted); one
     block of a running request wiped in the shadow (as if its KV were overwritten) is found at that

@@ -359,9 +359,13 @@ def test_push_mode_loads_complete_and_a_failed_push_is_never_reported():
 @pytest.mark.vllm
 def test_a_clean_connector_fuzz_run_counts_the_loads_and_sends_done(tmp_path):
     """vllm-kv-connector exists to reach remote KV loads and sends: its clean runs' ``reached:`` line named
-    only failures, held frees and preemptions."""
+    only failures, held frees and preemptions. It named failures that cannot happen there too: with no
+    kv_load_failure_policy no transfer fails and no block is reported invalid, yet `failed_transfers=0,
+    invalid_blocks=0` and `not reached: failed_transfers, invalid_blocks, ... (not searched)` were printed on every
+    clean run; they are given only where transfers may fail (vllm-kv-fail*)."""
     r = invoke("fuzz", "--target", "vllm", "--preset", "vllm-kv-connector", "--fuzzer", "random", "--max-time", "2",
                "--seed", "1", "--out", str(tmp_path))
     assert r.exit_code == 0, r.output
     counts = reached(r.stdout)
-    assert counts["kv_loads_done"] > 0 and counts["kv_sends_done"] > 0 and counts["failed_transfers"] == 0, counts
+    assert counts["kv_loads_done"] > 0 and counts["kv_sends_done"] > 0, counts
+    assert "failed_transfers" not in counts and "invalid_blocks" not in counts, counts

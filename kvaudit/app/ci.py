@@ -18,11 +18,12 @@ from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXI
                                 refused, write_error)
 from kvaudit.app.configs import check_available, check_db, presets_arg
 from kvaudit.app.files import check_dir, folder_problem, load_suppressions, reports_written, write_reports
-from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY, not_reached, print_replay_file, print_shipped_analysis
+from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY, print_replay_file, print_shipped_analysis
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.config import shown_path
 from kvaudit.data import data_path
+from kvaudit.reports.ci_outputs import not_reached, reached_text
 from kvaudit.reports.outputs import Case, Outputs, ReportData
 from kvaudit.reports.report import (new_findings_line, print_report, print_suppressions, print_table,
                                     suppressed_by_kind)
@@ -180,7 +181,7 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
                  f"{len(run.unwritten)} NEW finding(s) not written (disk full)" if run.unwritten else "nothing searched"
                  if run.nothing_searched else "interrupted before its share ended" if run.interrupted else "clean")
               + (f", {len(run.known)} known" if run.known else "")
-              + ("; reached: " + ", ".join(f"{k}={v}" for k, v in sorted(run.reached.items())) if run.reached else "")
+              + ("; reached: " + reached_text(run.reached) if run.reached else "")
               + (f"; not reached: {', '.join(zero)} (not searched)" if zero and run.executions else ""),
               soft_wrap=True)
     if run.interrupted:
@@ -260,7 +261,8 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
                                                + "; ".join(bad)} if bad else {}),
                      **({"interrupted": True} if result.interrupted else {}),  # (the HTML's verdict says so)
                      **({"executions": sum(run.executions for run in result.fuzz)} if fuzzed else {}),
-                     **({"nothing_searched": idle} if idle else {})}  # (exit 5: the presets that ran no program)
+                     **({"nothing_searched": idle} if idle else {}),  # (exit 5: the presets that ran no program)
+                     **({"reached": reached} if (reached := ci.reached_by_preset(result)) else {})}
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                                    extra, suppressions=sset, ran=ran), err,
                                   kept=tuple(kept), before=tuple(written))

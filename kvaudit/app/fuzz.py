@@ -27,6 +27,7 @@ from kvaudit.audit.suppress import SuppressionSet
 from kvaudit.config import shown_path
 from kvaudit.history.notes import note_for
 from kvaudit.constants import CONFIRM_RUNS, default_fuzzer
+from kvaudit.reports.ci_outputs import not_reached, reached_text
 from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
 from kvaudit.reports.report import (new_findings_line, print_report, print_suppressions, print_table, summary_line,
                                     suppressed_by_kind)
@@ -367,6 +368,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
              "seconds": round(s.elapsed, 1), "corpus": corpus}
     if result.interrupted:
         extra["interrupted"] = True
+    if s.reached:  # (the report files say it beside a clean run, as the console does)
+        extra["reached"] = dict(sorted(s.reached.items()))
     for key, sigs in (("found_by_another_host", result.fleet), ("not_written", result.unwritten)):
         if sigs:  # signature -> its file here (pulled from the fleet), or the file it would have had (disk full)
             extra[key] = dict(sorted(sigs.items()))
@@ -457,20 +460,17 @@ def _run_data(config, program, findings, sset, stats: search_fuzz.FuzzStats, see
         extra["first_hit_executions"], extra["first_hit_seconds"] = stats.first_hit[0], round(stats.first_hit[1], 1)
     if interrupted:
         extra["interrupted"] = True
+    if stats.reached:  # (the report files say it beside a clean run, as the console does)
+        extra["reached"] = dict(sorted(stats.reached.items()))
     return ReportData.single(config, program, findings, suppressed_by_kind(sset), extra, program_title=program_title,
                              suppressions=sset if stats.executions else None)  # (tried on nothing: no table)
-
-
-def not_reached(reached) -> list[str]:
-    """The paths of ``reached`` (``Target.reach()`` summed) at 0, sorted: no program took them (not searched)."""
-    return sorted(k for k, v in reached.items() if not v)
 
 
 def print_reached(console, stats) -> None:
     """``reached: name=count, ...``: what the programs reached (``Target.reach()`` summed), where the target
     counts paths; then, where some are at 0, ``not reached: name, ...``: paths no program took (not searched)."""
     if stats.reached:
-        console.print("reached: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.reached.items())), soft_wrap=True)
+        console.print("reached: " + reached_text(stats.reached), soft_wrap=True)
         zero = not_reached(stats.reached)
         if zero and stats.executions:
             console.print(f"not reached: {', '.join(zero)} (no program of the {stats.executions} took these paths: "

@@ -15,6 +15,27 @@ INTERRUPTED = "interrupted (Ctrl-C or SIGTERM): the job stopped before it was do
 NOTHING_RAN = "interrupted (Ctrl-C or SIGTERM) during start-up: nothing was checked"
 
 
+def reached_text(reached) -> str:
+    """``name=count, ...`` of ``reached`` (``Target.reach()`` summed), sorted by name."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(reached.items()))
+
+
+def not_reached(reached) -> list[str]:
+    """The paths of ``reached`` (``Target.reach()`` summed) at 0, sorted: no program took them (not searched)."""
+    return sorted(k for k, v in reached.items() if not v)
+
+
+def reach_lines(reached, searched: bool = True) -> list[str]:
+    """What a clean run's report files say beside it (the console's ``reached:`` lines): ``reached: name=count,
+    ...`` and, where some path is at 0 and a program ran (``searched``), ``not reached: name, ... (not
+    searched)``; ``[]`` where the target counts no path."""
+    if not reached:
+        return []
+    zero = not_reached(reached)
+    return [f"reached: {reached_text(reached)}"] + ([f"not reached: {', '.join(zero)} (not searched)"]
+                                                   if zero and searched else [])
+
+
 def suites() -> tuple[ET.Element, ET.Element, ET.Element]:
     """The JUnit root and its two empty suites, ``kvaudit.regressions`` and ``kvaudit.fuzz``."""
     root = ET.Element("testsuites", name="kvaudit ci")

@@ -67,7 +67,7 @@ def failure_text(f: Finding, count: int = 1, engine: RecordedEngine | None = Non
 def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
              clean_case: str | None = None, recorded: Mapping[str, str] | None = None, seconds: float = 0.0,
              found_after: float | None = None, search: Mapping | None = None,
-             skipped: tuple[str, str] | None = None) -> str:
+             skipped: tuple[str, str] | None = None, notes: list[str] | tuple = ()) -> str:
     """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
     name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
     kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells
@@ -77,7 +77,8 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     which search ran (``fuzzer``, ``seed``: ``--seed``), the first properties, named ``search_fuzzer`` and
     ``search_seed`` (the config's own ``seed`` is the engine's). ``skipped``: ``(name, message)`` of a skipped
     case for a run that did not check all it was asked to (``interrupted``: Ctrl-C or SIGTERM cut it short;
-    ``nothing searched``: its budget ended before one program ran), which then has no passing ``clean_case``."""
+    ``nothing searched``: its budget ended before one program ran), which then has no passing ``clean_case``.
+    ``notes``: the clean case's ``<system-out>`` lines (what the programs reached: a clean run's scope)."""
     on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
     for f in findings:
@@ -93,6 +94,8 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
         cases.append(case)
     if skipped is None and not findings and clean_case:
         cases.append(ET.Element("testcase", classname="kvaudit", name=xml_text(clean_case), time=f"{seconds:.2f}"))
+        if notes:
+            ET.SubElement(cases[-1], "system-out").text = xml_text("\n".join(notes) + "\n")
 
     counts = dict.fromkeys(("tests", "failures", "errors"), "0")  # (placed here; document() counts the cases)
     root = ET.Element("testsuites", name=xml_text(suite_name), **counts, time=f"{seconds:.2f}")

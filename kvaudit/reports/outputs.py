@@ -14,7 +14,7 @@ from kvaudit.config import TargetConfig
 from kvaudit import replay
 from kvaudit.audit.findings import Finding, report_order
 from kvaudit.program import Op
-from kvaudit.reports.ci_outputs import INTERRUPTED, invocation
+from kvaudit.reports.ci_outputs import INTERRUPTED, invocation, reach_lines
 
 NOTHING_SEARCHED = "nothing searched: the search budget ended before the first program ran"
 
@@ -123,6 +123,8 @@ def _sarif(data: ReportData) -> str:
     search = search_facts(data.extra)
     if search:  # which search ran: the fuzzer's name and its --seed (the engine config's seed is engineConfig's)
         log["runs"][0].setdefault("properties", {})["search"] = search
+    if data.extra.get("reached"):  # what the programs reached (Target.reach() summed): a clean run's scope
+        log["runs"][0].setdefault("properties", {})["reached"] = data.extra["reached"]
     short = _not_all_checked(data)
     if short is not None:  # its results are what ran before the stop: not a clean run's verdict
         log["runs"][0]["invocations"] = [invocation(short[1])]
@@ -135,7 +137,29 @@ def _junit(data: ReportData) -> str:
     return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings",
                     recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
                     found_after=data.extra.get("first_hit_seconds"), search=search_facts(data.extra),
-                    skipped=_not_all_checked(data))
+                    skipped=_not_all_checked(data), notes=_reach_lines(data))
+
+
+def _reached(data: ReportData) -> list[tuple[str, list[str]]]:
+    """``(preset, reached: lines)`` (:func:`~kvaudit.reports.ci_outputs.reach_lines`) of the run's counts: a fuzz
+    run's or a campaign's (``extra["reached"]``: path -> count; preset ``""``), or ``kvaudit ci``'s, one per preset
+    (preset -> path -> count)."""
+    reached = data.extra.get("reached") or {}
+    searched = bool(data.extra.get("executions"))
+    if all(isinstance(v, Mapping) for v in reached.values()):
+        return [(preset, reach_lines(r, searched)) for preset, r in reached.items()]
+    return [("", reach_lines(reached, searched))]
+
+
+def _reach_lines(data: ReportData) -> list[str]:
+    """JUnit's ``<system-out>`` lines of the clean case: :func:`_reached`'s, each ci preset's named first."""
+    return [f"{preset}: {line}" if preset else line for preset, lines in _reached(data) for line in lines]
+
+
+def _reach_html(data: ReportData) -> str:
+    """The HTML header's ``reached`` fact: ``name=count, ...; not reached: ...``, ci's presets apart (`` / ``)."""
+    return " / ".join((f"{preset}: " if preset else "") + "; ".join(lines).removeprefix("reached: ")
+                      for preset, lines in _reached(data) if lines)
 
 
 def _not_all_checked(data: ReportData) -> tuple[str, str] | None:
@@ -153,8 +177,9 @@ def _html(data: ReportData) -> str:
     from kvaudit.reports.html_report import render_html
 
     return render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
-                       extra={k: ", ".join(v) if k == "nothing_searched" else v for k, v in data.extra.items()
-                              if isinstance(v, (str, int, float)) or k == "nothing_searched"},  # (ci's presets)
+                       extra={k: ", ".join(v) if k == "nothing_searched" else _reach_html(data)
+                              if k == "reached" else v for k, v in data.extra.items()
+                              if isinstance(v, (str, int, float)) or k in ("nothing_searched", "reached")},  # (ci's presets)
                        recorded=data.recorded, ran=data.ran)
 
 

@@ -247,6 +247,8 @@ def sarif(result: CiResult, config, ran: tuple = ()) -> dict:
         r["properties"]["preset"] = first[s][1]
     if len({c.preset for c in ran}) > 1:
         _presets_properties(log["runs"][0]["properties"], ran)
+    if reached := reached_by_preset(result):  # what each preset's programs reached (Target.reach() summed): a clean preset's scope
+        log["runs"][0]["properties"]["reached"] = reached
     lost = sorted({sig for run in result.fuzz for sig in run.unwritten})
     if result.interrupted:  # its results are what ran: say the run did not complete
         log["runs"][0]["invocations"] = [ci_outputs.invocation(ci_outputs.INTERRUPTED)]
@@ -257,6 +259,12 @@ def sarif(result: CiResult, config, ran: tuple = ()) -> dict:
         log["runs"][0]["invocations"] = [ci_outputs.invocation(
             f"{len(lost)} new signature(s) found but not written (disk full): {', '.join(lost)}")]
     return log
+
+
+def reached_by_preset(result: CiResult) -> dict[str, dict[str, int]]:
+    """Preset -> what its programs reached (``Target.reach()`` summed, path -> count), for each preset that ran a
+    program and whose target counts paths: the SARIF's run property ``reached``, the HTML's and JSON's."""
+    return {run.preset: dict(sorted(run.reached.items())) for run in result.fuzz if run.reached and run.executions}
 
 
 def _presets_properties(props: dict, ran: tuple) -> None:
@@ -297,7 +305,8 @@ def junit(result: CiResult) -> str:
                                  name=f"{run.preset}: {what}", time=f"{run.seconds:.2f}")
             still = sorted({f.signature for f in run.known_open})
             notes = ([f"{len(still)} known finding(s) still open: " + ", ".join(still)] if still else []) + (
-                ["interrupted before its budget was spent"] if run.interrupted else [])
+                ["interrupted before its budget was spent"] if run.interrupted else []) + ci_outputs.reach_lines(
+                run.reached, bool(run.executions))
             if notes:
                 ET.SubElement(case, "system-out").text = xml_text("\n".join(notes) + "\n")
             if run.nothing_searched:  # nothing was checked: not a pass

@@ -265,12 +265,14 @@ class SglangTarget(SglangDriver, SglangObserver):
     def reach(self) -> dict[str, int]:
         """The shared driver's counters (requests retracted, by decode retraction or priority preemption,
         and with priority scheduling those preempted; with sessions, turns sent into an open session; allocations
-        that evicted from the tree; SGLang's result processing: ``results_reach``), then each feature's."""
+        that evicted from the tree, not with the tree off, where nothing is evictable; SGLang's result processing:
+        ``results_reach``), then each feature's."""
         more = {"priority_preemptions": self.priority_preemptions} if self.config.enable_priority_scheduling else {}
+        if not self.tree_cache.disable:
+            more["evictions_for_alloc"] = self.evictions_for_alloc
         if self.session_controller is not None:
             more["session_turns"] = sum(map(len, self.session_turns.values()))
-        return self._fold("reach", {"retractions": self.retractions, "evictions_for_alloc": self.evictions_for_alloc,
-                                    **more, **self.results_reach()})
+        return self._fold("reach", {"retractions": self.retractions, **more, **self.results_reach()})
 
 
 def _seam(name: str, hook: str, combine: str):

@@ -393,6 +393,15 @@ class VllmConnectorTarget(VllmSchedulerTarget):
                                         if b.block_hash is not None and not b.is_null}
         super().apply(op)
 
+    def reach(self) -> dict[str, int]:
+        """:meth:`VllmSchedulerTarget.reach`; without ``kv_load_failure_policy`` no transfer fails and no block is
+        reported invalid (only :meth:`apply` fails them), so ``failed_transfers`` and ``invalid_blocks`` are not
+        given: at 0 there they would read as paths a longer search could reach."""
+        out = super().reach()
+        if self.config.kv_load_failure_policy is None:
+            out.pop("failed_transfers", None), out.pop("invalid_blocks", None)
+        return out
+
     def connector_holders(self) -> list:  # (only SimpleCPUOffloadConnector has a scheduler_manager)
         return offload_holders(getattr(self.scheduler.connector, "scheduler_manager", None))
 

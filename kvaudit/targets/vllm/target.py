@@ -353,10 +353,11 @@ class VllmSchedulerTarget(_VllmBase):
         """Tag and check attention groups' KV in ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`) per step
         (:meth:`_shadow_step`, after ``Scheduler._update_after_schedule``) and per KV load (:meth:`_shadow_load`);
         a stale read calls ``report(pool, slots, message)``. Not with drafts under async scheduling (the worker's
-        shift of positions by rejected drafts is not modelled): ``stale_reads_checked`` stays 0."""
-        self.reached["stale_reads_checked"] = 0
+        shift of positions by rejected drafts is not modelled): there ``stale_reads_checked`` is not counted (a
+        check that is off, not a path no program took)."""
         if self.config.num_spec_tokens and self.max_in_flight > 1:
             return
+        self.reached["stale_reads_checked"] = 0
         self._shadow = (shadow, report)
         self._cow = self.V.has("pending-cow")
         self._lane = np.arange(self.config.block_size, dtype=np.int64)  # a block's slot offsets

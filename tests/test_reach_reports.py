@@ -1,0 +1,71 @@
+"""A clean run's report files say what its programs reached, as its console does.
+
+`kvaudit fuzz --preset retract --junit/--sarif/--html/--json` printed `reached: aborts=..., oom_retractions=0, ...`
+and `not reached: oom_retractions (...: not searched)` on the console, but none of the four files said it: a CI
+job that reads only the JUnit or the SARIF saw a clean run with nothing about the paths it never took. Now the
+JSON and the SARIF's run properties keep ``reached`` (path -> count), the JUnit's clean case carries the console's
+lines in ``<system-out>``, and the HTML's header says them; for ``kvaudit ci``, per preset."""
+
+import json
+import xml.etree.ElementTree as ET
+
+from cli_helpers import invoke
+
+
+def _files(tmp_path) -> list[str]:
+    return ["--junit", str(tmp_path / "r.xml"), "--sarif", str(tmp_path / "r.sarif"), "--html", str(tmp_path / "r.html"),
+            "--json", str(tmp_path / "r.json")]
+
+
+def _console_lines(output: str) -> list[str]:
+    """The console's ``reached:`` and ``not reached:`` lines, the latter as the files shorten it."""
+    out = []
+    for line in output.splitlines():
+        if line.startswith("reached: "):
+            out.append(line)
+        elif line.startswith("not reached: "):
+            out.append(line.split(" (")[0] + " (not searched)")
+    return out
+
+
+def test_a_clean_fuzz_runs_report_files_say_what_it_reached(tmp_path):
+    r = invoke("fuzz", "--preset", "retract", "--fuzzer", "random", "--max-time", "2", "--out", str(tmp_path / "o"),
+               *_files(tmp_path))
+    assert r.exit_code == 0, r.output + r.stderr
+    lines = _console_lines(r.output)
+    assert lines and lines[0].startswith("reached: ") and "oom_retractions=" in lines[0], r.output
+    reached = json.load(open(tmp_path / "r.json"))["reached"]
+    assert lines[0] == "reached: " + ", ".join(f"{k}={v}" for k, v in sorted(reached.items()))
+    assert json.load(open(tmp_path / "r.sarif"))["runs"][0]["properties"]["reached"] == reached
+    (case,) = ET.parse(tmp_path / "r.xml").getroot().iter("testcase")
+    assert case.find("failure") is None and case.find("system-out").text.splitlines() == lines
+    assert "reached: " + "; ".join(lines).removeprefix("reached: ") in (tmp_path / "r.html").read_text()
+
+
+def test_a_clean_campaigns_report_files_say_what_it_reached(tmp_path):
+    r = invoke("fuzz", "--preset", "retract", "--fuzzer", "random", "--max-time", "2", "--corpus", str(tmp_path / "c"),
+               *_files(tmp_path))
+    assert r.exit_code == 0, r.output + r.stderr
+    lines = _console_lines(r.output)
+    assert lines, r.output
+    reached = json.load(open(tmp_path / "r.json"))["reached"]
+    assert json.load(open(tmp_path / "r.sarif"))["runs"][0]["properties"]["reached"] == reached
+    (case,) = ET.parse(tmp_path / "r.xml").getroot().iter("testcase")
+    assert case.find("system-out").text.splitlines() == lines
+
+
+def test_a_clean_ci_jobs_report_files_say_what_each_preset_reached(tmp_path):
+    r = invoke("ci", "--presets", "default,retract", "--fuzzer", "random", "--max-time", "2", "--regressions",
+               str(tmp_path), "--out", str(tmp_path / "o"), *_files(tmp_path))
+    assert r.exit_code == 0, r.output + r.stderr
+    reached = json.load(open(tmp_path / "r.json"))["reached"]
+    assert set(reached) == {"default", "retract"} and "oom_retractions" in reached["retract"]
+    assert json.load(open(tmp_path / "r.sarif"))["runs"][0]["properties"]["reached"] == reached
+    cases = {c.get("classname"): c for c in ET.parse(tmp_path / "r.xml").getroot().iter("testcase")}
+    for preset, counts in reached.items():
+        line = next(x for x in r.stderr.splitlines() if x.startswith(f"fuzz {preset}: "))  # the console's
+        assert "reached: " + ", ".join(f"{k}={v}" for k, v in counts.items()) in line
+        out = cases[f"kvaudit.fuzz.{preset}"].find("system-out").text.splitlines()
+        assert out[0] == "reached: " + ", ".join(f"{k}={v}" for k, v in counts.items())
+    html = (tmp_path / "r.html").read_text()
+    assert all(f"{preset}: " + ", ".join(f"{k}={v}" for k, v in c.items()) in html for preset, c in reached.items())
