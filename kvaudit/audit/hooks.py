@@ -135,11 +135,14 @@ class Auditor(Ledger, PoolWrappers):
         target.install_lock_ledger(self._wrap, self._lock_event if not self.lean or site_keys else self._count_lock)
         target.install_insert_check(self._wrap, self._over_insert)
         self.shadow: ShadowKV | None = None
+        self.tags_at_free: dict[str, np.ndarray] = {}  # pool -> [slots] int64 (_keep_tags_at_free)
         kv = target.kv_pools() if shadow else {}
         if kv:
             self.shadow = ShadowKV(kv)
             self._shadow_by = f"target {kind_name(target)}: {type(target).__name__}.install_shadow"
             target.install_shadow(self.shadow, self._wrap, self._stale_kv)
+            if not self.lean:
+                self._keep_tags_at_free()
 
     # NOTE: setting ``step`` again to the same value (when the runner checks) closes the lock ledger's
     # interval, so holders are read between ops and steps, when the engine's state is whole. With
@@ -278,10 +281,12 @@ class Auditor(Ledger, PoolWrappers):
 
     def uninstall(self) -> None:
         """Remove every wrapper (:meth:`~kvaudit.audit.wrappers.PoolWrappers.uninstall`), and lean mode's
-        ``capture_site`` kept on the instance: a bound method of itself, a reference cycle that would leave the
-        closed run's ledger to the cycle collector (measured: docs/internals/performance.md, stop 56). Mutates."""
+        ``capture_site`` and a full run's ``on_free`` (:meth:`_keep_tags_at_free`) kept on the instance: bound
+        methods of itself, reference cycles that would leave the closed run's ledger to the cycle collector
+        (measured: docs/internals/performance.md, stop 56). Mutates."""
         super().uninstall()
         self.__dict__.pop("capture_site", None)
+        self.__dict__.pop("on_free", None)
 
     def _lean_line(self, f, key: tuple[int, int]) -> int:
         # a frame key's entry in _lean_lines, made once per process: 0 for a framework frame, else its line,
@@ -383,6 +388,24 @@ class Auditor(Ledger, PoolWrappers):
         f.slots = s.tolist()
         self.pending.append(f)
 
+    def _keep_tags_at_free(self) -> None:
+        # each slot's shadow tag when its unit was last freed, per pool (not counted blocks): not in a lean run
+        # (a copy per free; only a report reads it, to tell a stale read's cause: _stale_kv)
+        self.tags_at_free = {p: np.zeros_like(t) for p, t in self.shadow.tags.items()
+                             if p in self.ledgers and self.ledgers[p].refs is None}
+        self.on_free = self._on_free_keeping_tags  # (the wrappers read self.on_free at each call)
+
+    def _on_free_keeping_tags(self, pool: str, units, sid: int) -> None:
+        # on_free, keeping the shadow tags the freed units' slots held (tags_at_free)
+        kept = self.tags_at_free.get(pool)
+        if kept is not None:
+            ps = self.ledgers[pool].spec.page_size
+            u = np.asarray(units, dtype=np.int64).reshape(-1)
+            s = (u[:, None] * ps + np.arange(ps)).reshape(-1) if ps > 1 else u
+            s = s[(s >= 0) & (s < kept.size)]
+            kept[s] = self.shadow.tags[pool][s]
+        Ledger.on_free(self, pool, units, sid)
+
     def _stale_kv(self, pool: str, slots, message: str) -> None:
         # report(pool, slots, message), called by the target's install_shadow: slots any integer array-like
         slots = np.asarray(slots.cpu() if isinstance(slots, torch.Tensor) else slots).ravel()
@@ -400,6 +423,15 @@ class Auditor(Ledger, PoolWrappers):
         f.read_sites = self.site(self.capture_site())
         # the cause, for the signature (docs/internals/audit.md, shadow KV tags)
         written = slots[self.shadow.tags[pool][slots] != 0] if self.shadow is not None else slots[:0]
+        kept = self.tags_at_free.get(pool)
+        if kept is not None and written.size:
+            # a slot allocated since its last free that still holds the tag it held at that free was not
+            # written by that allocation: the free did not make the mismatch, the content is older than it
+            # (an unwritten slot handed on, e.g. an aborted request's decode slot cached in the tree)
+            u = written // ps
+            fresh = (led.allocated[u] & (led.last_alloc[u] > led.last_free[u]) & (led.last_free[u] >= 0)
+                     & (self.shadow.tags[pool][written] == kept[written]))
+            written = written[~fresh]
         if written.size:
             ev = int(led.last_free[written[0] // ps])
             f.check = "freed" if ev >= 0 else "overwritten"

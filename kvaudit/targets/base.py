@@ -330,6 +330,14 @@ class Target:
         target records nothing."""
         return None
 
+    def freed_under_reader(self, pool: str, units, frees) -> list[bool] | None:
+        """Per unit of ``units`` (``[n] int64`` of ``pool``, free now, allocated again and freed again since the
+        previous check) whether the target recorded its free ``frees`` (``[n] int64`` event ids, its first
+        since that check) as one under a reader that still held it (the built-in engine: a tree eviction of a
+        node a lock receipt covered): that free, not the later one, is then the use-after-free's premature
+        free. None (default): the target records nothing."""
+        return None
+
     def free_lists(self) -> dict:
         """``{pool: [n] int64}``: the engine's free lists, checked against the event log; default none."""
         return {}

@@ -116,14 +116,24 @@ def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, prev_owner: 
             for v in ev.units:
                 allocs.setdefault(ev.pool, {}).setdefault(v, []).append(ev.id)
     paths: dict[int, tuple] = {}
+    released: dict[int, list[int]] = {}  # free event id -> released_with's rows
 
     def owner_of(r: int) -> int:  # the row's owner at the previous check (0: allocated since)
         return prev_owner["req_to_token_pool"][r] if rows_led.last_alloc[r] < auditor.checked_upto else 0
+
+    def released_with(ev) -> list[int]:  # the rows freed since the check by ev's release: its op, step, path
+        if ev.id not in released:
+            released[ev.id] = [r for r in held if not rows_led.allocated[r] and rows_led.last_free[r] >= auditor.checked_upto
+                               and rows_led.last_alloc[r] < ev.id and _same_release(auditor, ev, rows_led.last_free[r], paths)]
+        return released[ev.id]
 
     def of_row(ev, r: int) -> bool:
         if ev.id <= rows_led.last_alloc[r]:
             return False
         mine = held[r].get(ev.pool, set()).intersection(ev.units) - (leaked if ev.pool == pool else set())
+        for r2 in released_with(ev):  # a unit another row freed by this release maps is that row's: r's entry
+            if r2 != r:  # of it is stale (an earlier tenant's, the unit handed to that row since)
+                mine -= held[r2].get(ev.pool, set())
         if ev.pool in prev_owner:  # (a unit allocated again since the check: its owner then held the old one)
             since = allocs.get(ev.pool, {})
             mine = {v for v in mine if prev_owner[ev.pool][v] in (0, owner_of(r)) or any(a < ev.id for a in since.get(v, ()))}
@@ -142,3 +152,10 @@ def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, prev_owner: 
                 out[u] = (hit.site, "")
                 break
     return out
+
+
+def _same_release(auditor: Auditor, ev, other: int, paths: dict[int, tuple]) -> bool:
+    # free event ``other`` (an id) came from the same release as ``ev``: the same op, step and release path
+    o = auditor.events[other]
+    return (o.op_index, o.step) == (ev.op_index, ev.step) and release_frame(auditor, o.site, paths) == release_frame(
+        auditor, ev.site, paths)

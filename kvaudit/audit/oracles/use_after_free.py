@@ -34,7 +34,8 @@ def use_after_free(auditor: Auditor, pool: str, units: np.ndarray, roots) -> lis
 def _broken_at(auditor: Auditor, pool: str, units: np.ndarray) -> dict[int, tuple[int, int]]:
     # index into units -> (alloc event, free event): a unit freed, allocated again and freed again since
     # the check, whose first free came under a request that read it then and still held its row (its row
-    # not freed since, or on another release path): that free broke it (docs/internals/audit.md)
+    # not freed since, or on another release path), or that the target recorded as a free under a reader
+    # (Target.freed_under_reader): that free broke it (docs/internals/audit.md)
     led, since, evs = auditor.ledgers[pool], auditor.checked_upto, auditor.events
     again = np.flatnonzero(led.last_alloc[units] >= since)  # allocated since the check, and free now
     if not again.size:
@@ -60,12 +61,14 @@ def _broken_at(auditor: Auditor, pool: str, units: np.ndarray) -> dict[int, tupl
         return row is not None and (gone < 0 or (gone > f and path(gone) != path(f)))
 
     out = {}
-    for i in again.tolist():
-        u = int(units[i])
-        f = first_free.get((pool, u), -1)
-        if not 0 <= f < led.last_alloc[u]:
-            continue  # not held at the check (its one allocation since, then its free)
-        if any(held_at(r.owner, f) for r in readers if (r.units == u).any()):
+    held = [(i, int(units[i])) for i in again.tolist()
+            if 0 <= first_free.get((pool, int(units[i])), -1) < led.last_alloc[units[i]]]  # (else not held at the check)
+    firsts = np.array([first_free[(pool, u)] for _, u in held], dtype=np.int64)
+    # or a first free the target recorded as one under a reader (one admitted since the check: not a root then)
+    under = (auditor.target.freed_under_reader(pool, np.array([u for _, u in held], dtype=np.int64), firsts)
+             if held else None) or [False] * len(held)
+    for (i, u), f, by_target in zip(held, firsts.tolist(), under):
+        if by_target or any(held_at(r.owner, f) for r in readers if (r.units == u).any()):
             a = next((k for k in range(f - 1, -1, -1) if evs[k].kind == "alloc" and evs[k].pool == pool
                       and u in evs[k].units), -1)
             out[i] = (a, f)

@@ -32,6 +32,7 @@ class Evictions:
     def __init__(self, auditor, pool: str, page_size: int):
         self.auditor, self.pool, self.page_size = weakref.ref(auditor), pool, page_size
         self.free_event = np.full(auditor.ledgers[pool].last_free.size, -1, dtype=np.int64)
+        self.covered_free = np.full(self.free_event.size, -1, dtype=np.int64)  # the same, of covered nodes
         self.receipts: dict[int, list] = {}  # node id -> [node, incs not yet matched by a dec]
 
     def install(self, tree, wrap) -> None:
@@ -60,8 +61,8 @@ class Evictions:
                 auditor = self.auditor()
                 n0 = len(auditor.events) if auditor is not None else -1
                 out = release(node)
-                if n0 >= 0 and id(node) not in covered[0]:
-                    self._record(auditor.events[n0:], covered[1])
+                if n0 >= 0:
+                    self._record(auditor.events[n0:], covered[1], id(node) in covered[0])
                 return out
 
             return evict_lru(num_tokens, candidate, release_wrapper)
@@ -94,13 +95,17 @@ class Evictions:
                 node = node.parent
         return out, np.concatenate(held).astype(np.int64) if held else np.zeros(0, dtype=np.int64)
 
-    def _record(self, events: list, covered: np.ndarray) -> None:
-        # the frees of pool units in ``events`` (the release of one unlocked node), but units a covered node holds
+    def _record(self, events: list, covered: np.ndarray, locked: bool) -> None:
+        # the frees of pool units in ``events`` (the release of one node): a locked (covered) node's in
+        # covered_free, an unlocked one's in free_event, but units a covered node holds
         for ev in events:
             if ev.kind == "free" and ev.pool == self.pool:
                 u = np.asarray(ev.units, dtype=np.int64)
-                u = u[(u < self.free_event.size) & ~np.isin(u, covered)]
-                self.free_event[u] = ev.id
+                u = u[u < self.free_event.size]
+                if locked:
+                    self.covered_free[u] = ev.id
+                else:
+                    self.free_event[u[~np.isin(u, covered)]] = ev.id
 
     def freed_by(self, units: np.ndarray, frees: np.ndarray) -> list[str]:
         """Per unit of ``units`` (``[n] int64``) freed by event ``frees`` (``[n] int64``): :data:`UNLOCKED`
@@ -108,3 +113,9 @@ class Evictions:
         ok = (units >= 0) & (units < self.free_event.size)
         hit = ok & (self.free_event[np.where(ok, units, 0)] == frees) & (frees >= 0)
         return [UNLOCKED if h else "" for h in hit.tolist()]
+
+    def under_lock(self, units: np.ndarray, frees: np.ndarray) -> list[bool]:
+        """Per unit of ``units`` (``[n] int64``) freed by event ``frees`` (``[n] int64``): whether that free
+        was the eviction of a node a live receipt covered (a free under the lock call's reader)."""
+        ok = (units >= 0) & (units < self.covered_free.size)
+        return (ok & (self.covered_free[np.where(ok, units, 0)] == frees) & (frees >= 0)).tolist()

@@ -386,6 +386,13 @@ class EutObserver(Target):
         rec = self.evictions
         return rec.freed_by(units, frees) if rec is not None and pool == rec.pool else None
 
+    def freed_under_reader(self, pool: str, units, frees) -> list[bool] | None:
+        """True for each of ``units`` that ``frees`` freed by evicting a tree node a lock receipt covered
+        (:class:`Evictions`: the lock call's reader still read it); None for a pool whose evictions are not
+        recorded."""
+        rec = self.evictions
+        return rec.under_lock(units, frees) if rec is not None and pool == rec.pool else None
+
     def install_lock_ledger(self, wrap, record) -> None:
         """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree to ``record(node_id, delta)``, and
         with HiCache every host pin (``_pin_host(node, delta)``) to ``record(node_id, delta, "host")``."""
