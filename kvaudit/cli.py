@@ -190,8 +190,9 @@ def _set_step_timeout(ctx, param, value):
     from kvaudit.audit.runner import set_step_timeout, step_timeout
 
     # process-wide: reset every command, and the caller's put back when it returns (an in-process caller, a test,
-    # kept the last command's, fuzz's and ci's own for their budget included)
-    ctx.call_on_close(functools.partial(set_step_timeout, step_timeout()))
+    # kept the last command's, fuzz's and ci's own for their budget included); by the root context, which closes
+    # also when an option read after this one is refused (the command's own is then never closed)
+    ctx.find_root().call_on_close(functools.partial(set_step_timeout, step_timeout()))
     set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)
     return value
 

@@ -316,6 +316,18 @@ def test_a_command_puts_the_callers_step_limit_back_when_it_returns(tmp_path):
         assert res.exit_code == 0, res.output + res.stderr
         assert runner.step_timeout() == 7.0, args
 
+
+def test_a_command_line_refused_after_step_timeout_puts_the_callers_step_limit_back():
+    """--step-timeout's callback set the process-wide limit as the command line was read and put the caller's back
+    when the command's context closed; a later option refused (--max-time -1, --seed -4) ended the reading before
+    that context was ever closed, so an in-process caller was left under the refused command's limit (3.0)."""
+    runner.set_step_timeout(7.0)
+    for args in (["fuzz", "--step-timeout", "3", "--max-time", "-1"], ["fuzz", "--step-timeout", "3", "--seed", "-4"],
+                 ["replay", "--step-timeout", "3", "--html"]):
+        res = invoke(*args)
+        assert res.exit_code == 2, res.output + res.stderr
+        assert runner.step_timeout() == 7.0, args
+
 # -- --max-time is search time (issue 34) -----------------------------------------------------------------
 
 def _slow_first_engine(monkeypatch, seconds=0.8):
