@@ -183,7 +183,7 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
               + (f", {len(run.known)} known" if run.known else "")
               + ("; reached: " + reached_text(run.reached) if run.reached else "")
               + (f"; not reached: {', '.join(zero)} (not searched)" if zero and run.executions else ""),
-              soft_wrap=True)
+              soft_wrap=True, markup=False)  # (a path's name is any string: `evict[lru]` is no style)
     if run.interrupted:
         raise KeyboardInterrupt
 
