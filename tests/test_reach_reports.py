@@ -114,3 +114,28 @@ def test_the_consoles_reach_lines_keep_a_paths_name_as_the_report_files_do(tmp_p
     line = next(x for x in ci.stderr.splitlines() if x.startswith("fuzz brackets: "))
     out = next(ET.parse(tmp_path / "ci.xml").getroot().iter("system-out")).text.splitlines()
     assert f"; {out[0]}; {out[1]}" in line, line
+
+
+def test_an_interrupted_fuzz_runs_junit_says_what_it_reached(tmp_path, monkeypatch):
+    """Interrupted, `kvaudit fuzz` printed its reach lines and its JSON and SARIF kept them, but its JUnit's
+    skipped case had none (the lines went with the clean case only), where ci's interrupted preset case has them:
+    the skipped case carries the console's lines in its <system-out>, after <skipped>."""
+    from kvaudit.search import fuzz
+
+    run, calls = fuzz.run_program, []
+
+    def stopped_after_20(*a, **k):
+        calls.append(1)
+        if len(calls) > 20:
+            raise KeyboardInterrupt
+        return run(*a, **k)
+
+    monkeypatch.setattr(fuzz, "run_program", stopped_after_20)
+    r = invoke("fuzz", "--preset", "retract", "--fuzzer", "random", "--max-time", "30", "--out", str(tmp_path / "o"),
+               *_files(tmp_path))
+    assert r.exit_code == 130, r.output + r.stderr
+    lines = _console_lines(r.output)
+    assert lines and lines[0].startswith("reached: "), r.output
+    (case,) = ET.parse(tmp_path / "r.xml").getroot().iter("testcase")
+    assert [child.tag for child in case] == ["skipped", "system-out"]
+    assert case.find("system-out").text.splitlines() == lines
