@@ -235,9 +235,19 @@ def main():
 
 
 def _set_paranoid(ctx, param, value):
-    if value:  # the environment, so that a campaign's worker processes inherit it
+    if value:  # the environment, so that a campaign's worker processes inherit it; the caller's put back when the
+        # command returns or is refused (the root context: as --step-timeout's limit)
+        ctx.find_root().call_on_close(functools.partial(_put_env, "KVAUDIT_PARANOID",
+                                                        os.environ.get("KVAUDIT_PARANOID")))
         os.environ["KVAUDIT_PARANOID"] = "1"
     return value
+
+
+def _put_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 _paranoid_option = click.option(
