@@ -52,10 +52,14 @@ def liveness(run) -> list[Finding]:
     state = "lost" if seen[stuck[0]][0] == LOST else "aborted" if seen[stuck[0]][0] < 0 else "holds-kv"
     what = {"lost": "lost: never answered, and the engine holds it nowhere", "aborted": "aborted, never finished",
             "holds-kv": "holds KV"}[state]
-    # its signature names where the request sits (Root.where) and what it is, never its id
+    # its signature names where the request sits (Root.where) and what it is, never its id; a lost request,
+    # what last handled it (Target.dropped_by: the path that dropped it)
     where = next((r.where for r in run.target.roots() if r.owner == f"req:{stuck[0]}" and r.where), "")
-    f = Finding(kind="liveness", pool="-", op_index=run.ops_run - 1, step=now, check=f"{where or '-'}:{state}",
-                message=f"req:{stuck[0]} ({what}{f', in {where}' if where else ''})"
+    by = run.target.dropped_by(stuck[0]) if state == "lost" else None
+    f = Finding(kind="liveness", pool="-", op_index=run.ops_run - 1, step=now,
+                check=f"{where or '-'}:{state}" + f"/{by}" * bool(by),
+                message=f"req:{stuck[0]} ({what}{f', in {where}' if where else ''}"
+                        + f"; last handled by {by}" * bool(by) + ")"
                         + ("" if state == "lost" else f" made no progress for {LIVENESS_STEPS} steps")
                         + (f"; also {', '.join(stuck[1:4])}" if len(stuck) > 1 else ""))
     return attach_engine_verdict(run.target, [f])
