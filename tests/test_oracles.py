@@ -681,6 +681,35 @@ def test_a_request_lost_before_any_release_names_no_path(make_run):
     assert found[0].signature == "liveness/-/progress/-:lost" and "last handled" not in found[0].message
 
 
+def test_a_lost_request_is_reported_once_even_when_suppressed(make_run, monkeypatch):
+    """A lost request stays lost: its finding, suppressed, was built again (the roots walked, the engine's own
+    check run) at every check while the engine idled, 400 times in 400 idle steps. Now each lost request is
+    reported once; another lost later is still reported."""
+    from kvaudit.audit.oracles import outcome
+    from kvaudit.audit.suppress import Suppression, SuppressionSet
+    built = []
+    attach = outcome.attach_engine_verdict
+    monkeypatch.setattr(outcome, "attach_engine_verdict", lambda t, fs: attach(t, built.extend(fs) or fs))
+    run = AuditedRun(get_preset("retract").config(), suppressions=SuppressionSet([Suppression(signature="liveness/*")]))
+    try:
+        for i in range(3):
+            assert run.apply(Submit(family=i, prompt_len=9, max_new_tokens=8)) == []
+        assert run.apply(Step(2)) == []
+        eng = run.target.engine
+        kept = eng.retract_decode(list(eng.running_batch), force=True)
+        gone = sorted((r for r in eng.waiting_queue if r not in kept), key=lambda r: r.rid)
+        assert len(gone) == 2
+        for r in gone:
+            eng.waiting_queue.remove(r)
+        assert run.apply(Idle()) == []
+        for _ in range(20):
+            assert run.apply(Step(1)) == []
+        assert [f.message.split(" ")[0] for f in built] == [f"req:{r.rid}" for r in gone]
+        assert [f.kind for f in run.suppressed] == ["liveness"] and run.findings == []
+    finally:
+        run.auditor.uninstall()
+
+
 def test_lock_balance_is_checked_at_idle_only(make_run):
     """A lock taken and held by a live request balances; an unbalanced lock shows once idle."""
     run = started(make_run, "default", 1)
