@@ -338,6 +338,13 @@ class Target:
         free. None (default): the target records nothing."""
         return None
 
+    def dropped_by(self, rid: str) -> str | None:
+        """For request ``rid``, which :meth:`progress` calls :data:`LOST`, what last handled it, as the target
+        recorded it (a lost request's signature's last part, one value per path that drops requests, e.g. the
+        function that released it last: a retraction, a preemption), ``""`` for nothing recorded; None
+        (default): the target records nothing."""
+        return None
+
     def free_lists(self) -> dict:
         """``{pool: [n] int64}``: the engine's free lists, checked against the event log; default none."""
         return {}
@@ -608,6 +615,7 @@ def _read_rules(pools: dict) -> dict:
         "describe_busy": (lambda v: isinstance(v, str), "a string"),
         "stuck": (lambda v: isinstance(v, str), "a string"),
         "crash_by": (lambda v: isinstance(v, str), "a string"),  # (the finding's check: a replay file reads a string)
+        "dropped_by": (lambda v: v is None or isinstance(v, str), "a string or None"),  # (the check's last part)
     }
 
 
