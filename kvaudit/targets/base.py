@@ -686,7 +686,7 @@ def check_reads_always(target, kind: str) -> None:
 
 #: the optional methods that only label a finding (its signature's part): one that raises loses the finding, so
 #: :func:`check_reads_always` makes the raise the target's one line (exit 2), not the engine's crash or kvaudit's
-LABELS = ("crash_by", "lost_by", "freed_by")
+LABELS = ("crash_by", "lost_by", "freed_by", "freed_under_reader", "dropped_by")
 
 
 def _units_problem(cls_name: str, root: Root, top: int | None = None) -> str | None:
