@@ -7,6 +7,7 @@ import shlex
 import shutil
 import os
 import subprocess
+import sys
 
 import pytest
 from cli_helpers import ROOT, invoke, kvaudit_script, one_error_line, plain_env
@@ -257,6 +258,32 @@ def test_an_option_with_no_value_names_the_commands_help_as_other_usage_errors_d
     assert line.endswith(f" {' '.join(path)} --help')"), line
     other = invoke(*path, "--frob")  # (the suffix every other usage error has)
     assert one_error_line(other).endswith(f" {' '.join(path)} --help')")
+
+
+def test_a_one_value_option_given_twice_says_only_the_last_counts(tmp_path):
+    """`kvaudit report F --json a.json --json b.json` wrote b.json alone and said nothing of a.json (click
+    keeps an option's last value); a line of warning now says so, once through the console script (whose
+    entry point parses the command line a first time, to refuse bad input before it imports the engine)."""
+    good = os.path.join(REGRESSIONS, "overlap-abort-double-free.json")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    r = invoke("report", good, "--json", str(a), "--json", str(b))
+    assert r.exit_code == 0, r.output
+    assert "warning: --json given 2 times; only the last one counts" in r.stderr.splitlines(), r.stderr
+    assert b.exists() and not a.exists()
+    once = invoke("report", good, "--json", str(a), "--sarif", str(tmp_path / "s.sarif"))
+    assert once.exit_code == 0 and "warning" not in once.stderr, once.stderr
+    both = invoke("report", good, "--json", str(a), "--json", str(b), "--sarif", str(tmp_path / "1"),
+                  "--sarif", str(tmp_path / "2"), "--sarif", str(tmp_path / "3"))
+    assert [line for line in both.stderr.splitlines() if line.startswith("warning: ")] == [
+        "warning: --json given 2 times; only the last one counts",
+        "warning: --sarif given 3 times; only the last one counts"], both.stderr
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-m", "kvaudit", "minimize", good, "-o", str(tmp_path / "m.json"),
+                           "--output", str(tmp_path / "n.json"), "--signature", "nope"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[0] == "warning: -o/--output given 2 times; only the last one counts", proc.stderr
+    assert proc.stderr.count("warning: ") == 1, proc.stderr
 
 
 def _write(tmp_path, name, text):
