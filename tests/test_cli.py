@@ -632,6 +632,17 @@ def test_minimize_checks_its_output_before_importing_the_engine(tmp_path):
     assert got == [[2, []]] and "records no finding" in errors[0], (got, errors)
 
 
+def test_minimize_refuses_an_empty_output_name_as_every_output_flag_does(tmp_path):
+    """`kvaudit minimize F -o ""` (an unset variable in a script) ran and wrote F.min.json beside F, exit 0:
+    the empty name fell back to the default, where --json "", --issue "" and the others refuse it."""
+    good = tmp_path / "good.json"
+    good.write_text(open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")).read())
+    r = invoke("minimize", str(good), "-o", "")
+    assert r.exit_code == 2, r.output
+    assert one_error_line(r) == 'kvaudit: error: --output: want a file name, not ""'
+    assert sorted(os.listdir(tmp_path)) == ["good.json"]
+
+
 def test_no_arguments_prints_the_help_and_exits_0():
     result = invoke()
     assert result.exit_code == 0
