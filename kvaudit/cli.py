@@ -508,7 +508,9 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     interrupted (the report so far is written)."""
     from kvaudit.app import bench as job
 
-    out_md, out_json = out_md or BENCH_OUT[suite][0], out_json or BENCH_OUT[suite][1]
+    # (not `or`: --out "" is refused as every empty output path is, not taken for the default)
+    out_md = BENCH_OUT[suite][0] if out_md is None else out_md
+    out_json = BENCH_OUT[suite][1] if out_json is None else out_json
     suite_only = (("--fp-seconds", "zoo"), ("--overhead-presets", "zoo"), ("--jobs", "history"))
     for option, applies in suite_only:
         _ignored(option, f"--suite {applies}", suite != applies)

@@ -643,6 +643,18 @@ def test_minimize_refuses_an_empty_output_name_as_every_output_flag_does(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["good.json"]
 
 
+@pytest.mark.parametrize("suite", ["zoo", "history"])
+@pytest.mark.parametrize("option", ["--out", "--json"])
+def test_bench_refuses_an_empty_report_name_instead_of_writing_the_default(suite, option, tmp_path, monkeypatch):
+    """`kvaudit bench --out ""` ran the whole benchmark and wrote benchmarks.md in the current directory, exit
+    0 (the empty name fell back to the default); now it is refused as any empty output name is."""
+    monkeypatch.chdir(tmp_path)
+    r = invoke("bench", "--suite", suite, "--trials", "1", "--budget", "0.5", "--bugs", "all", option, "")
+    assert r.exit_code == 2, r.output
+    assert one_error_line(r) == f'kvaudit: error: {option}: want a file name, not ""'
+    assert os.listdir(tmp_path) == []
+
+
 def test_no_arguments_prints_the_help_and_exits_0():
     result = invoke()
     assert result.exit_code == 0
