@@ -888,6 +888,41 @@ def test_replay_update_goes_on_past_a_file_it_cannot_read_and_names_each(tmp_pat
     assert again.exit_code == 5 and again.stdout.strip().endswith(": unchanged"), again.output
 
 
+@pytest.mark.parametrize("errno_name", ["EACCES", "ENOSPC"])
+def test_replay_update_past_a_file_it_cannot_write(tmp_path, monkeypatch, errno_name):
+    """tx66: `replay --update a b c` where a cannot be rewritten (its directory read-only to the user) stopped
+    there, leaving c as it was though it could be written; and where a full disk refused c, the error said
+    'nothing else was written' though a and b had been. Now a file it may not write is one error line and the
+    rest go on (exit 2, as a file it cannot read); a full disk still stops the run (74), naming the files kept."""
+    import errno as errnos
+    from kvaudit import replay as replay_mod
+    files = [_stale_copy(tmp_path, name)[0] for name in
+             ("overlap-abort-double-free.json", "retract-unaligned-page.json", "aborted-kv-inserted.json")]
+    bad = files[0] if errno_name == "EACCES" else files[2]
+    before = bad.read_text()
+    real = replay_mod.rerecord
+
+    def rerecord(file, *args, **kwargs):
+        if file == str(bad):
+            code = getattr(errnos, errno_name)
+            raise OSError(code, os.strerror(code), file)
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(replay_mod, "rerecord", rerecord)
+    result = invoke("replay", "--update", *map(str, files))
+    assert bad.read_text() == before
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 1 and "Traceback" not in result.output, result.stderr
+    if errno_name == "EACCES":
+        assert result.exit_code == 2, result.output
+        assert errors[0] == f"kvaudit: error: cannot write {bad}: Permission denied"
+        assert result.stdout.count(": updated: ") == 2 and str(files[2]) in result.stdout, result.stdout
+    else:
+        assert result.exit_code == 74, result.output
+        assert errors[0] == (f"kvaudit: error: disk full: cannot write {bad} (No space left on device); kept what "
+                             f"was written: {files[0]}, {files[1]}")
+
+
 @pytest.mark.parametrize("args", [
     ["a.json", "b.json"],
     ["--update", "--json", "out.json", "a.json"],
