@@ -655,6 +655,25 @@ def test_bench_refuses_an_empty_report_name_instead_of_writing_the_default(suite
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("args, flag", [
+    (["fuzz", "--max-time", "1", "--out", ""], "--out"),
+    (["fuzz", "--max-time", "1", "--corpus", ""], "--corpus"),
+    (["ci", "--max-time", "1", "--presets", "default", "--out", ""], "--out"),
+    (["ci", "--max-time", "1", "--presets", "default", "--corpus", ""], "--corpus"),
+    (["campaign", "pull", "--db", "redis://127.0.0.1:1/0", ""], "DIRECTORY"),
+], ids=["fuzz-out", "fuzz-corpus", "ci-out", "ci-corpus", "campaign-pull"])
+def test_an_empty_directory_name_is_refused_not_taken_for_the_current_directory(args, flag, tmp_path, monkeypatch):
+    """tx66: `kvaudit fuzz --out ""` (an unset variable in a script) searched and wrote its findings into the
+    current directory, `--corpus ""` a whole campaign (campaign.json, programs/, findings/) there, exit 0, as
+    did `ci --out ""`; `campaign pull --db URL ""` would have pulled into it. Each is refused now, before any
+    engine or Redis is reached, as an empty file name is."""
+    monkeypatch.chdir(tmp_path)
+    r = invoke(*args)
+    assert r.exit_code == 2, r.output
+    assert one_error_line(r) == f'kvaudit: error: {flag}: want a directory name, not ""'
+    assert os.listdir(tmp_path) == []
+
+
 def test_no_arguments_prints_the_help_and_exits_0():
     result = invoke()
     assert result.exit_code == 0
