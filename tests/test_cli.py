@@ -1,6 +1,7 @@
 """Tests for the ``kvaudit`` command line: click's CliRunner for most cases, the installed console
 script (a real subprocess) where the process boundary matters (exit status through a pipe, no ANSI)."""
 
+import re
 import glob
 import json
 import shlex
@@ -1052,14 +1053,15 @@ def test_an_other_fuzzers_option_name_suggests_kvaudits(command, theirs, ours):
     """libFuzzer's -jobs is kvaudit's --workers: click suggested only what is spelled alike (--db, --json)."""
     r = invoke(command, theirs, "2")
     assert r.exit_code == 2, r.output
-    assert f"No such option '{theirs}'. Did you mean '{ours}'?" in one_error_line(r)
+    # (click 8.4 quotes the names, 8.2-8.3 do not: "No such option: --jobs Did you mean --workers?")
+    assert re.search(f"No such option:? '?{theirs}'?\\.? Did you mean '?{ours}'?\\?", one_error_line(r)), one_error_line(r)
 
 
 def test_an_other_fuzzers_option_is_not_suggested_where_the_command_lacks_it():
     r = invoke("replay", "--jobs", "2", "x.json")
     assert r.exit_code == 2, r.output
     line = one_error_line(r)
-    assert "No such option '--jobs'." in line and "--workers" not in line, line
+    assert re.search("No such option:? '?--jobs'?", line) and "--workers" not in line, line
 
 
 @pytest.mark.parametrize("args, shown", [
