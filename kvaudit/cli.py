@@ -37,11 +37,39 @@ class _NamesItsCommand:
 
     def parse_args(self, ctx, args):
         try:
-            return super().parse_args(ctx, args)
+            rest = super().parse_args(ctx, args)
         except click.UsageError as e:
             if e.ctx is None:
                 e.ctx = ctx
             raise
+        if not (ctx.find_root().obj or {}).get(CHECK_ONLY):  # (the entry point's check first: said once)
+            _warn_given_twice(ctx, getattr(ctx, "_kvaudit_order", ()))
+        return rest
+
+    def make_parser(self, ctx):
+        """The parser, keeping the order it met the options in (each once per time given) for
+        :func:`_warn_given_twice`."""
+        parser = super().make_parser(ctx)
+        parse = parser.parse_args
+
+        def parse_args(args):
+            opts, rest, order = parse(args=args)
+            ctx._kvaudit_order = list(order)
+            return opts, rest, order
+
+        parser.parse_args = parse_args
+        return parser
+
+
+def _warn_given_twice(ctx, order) -> None:
+    """A one-value option given more than once: click keeps the last value and drops the others without a
+    word (``--json a.json --json b.json`` wrote b.json only), so one line of warning each says so. (The value
+    is not shown: a ``--db`` URL may hold a password.)"""
+    for param in dict.fromkeys(order):
+        n = order.count(param)
+        if n > 1 and isinstance(param, click.Option) and not param.multiple and not param.count:
+            flags = "/".join(param.opts + param.secondary_opts)
+            click.echo(f"warning: {flags} given {n} times; only the last one counts", err=True)
 
 
 class KvauditCommand(_NamesItsCommand, click.Command):
@@ -502,7 +530,9 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     interrupted (the report so far is written)."""
     from kvaudit.app import bench as job
 
-    out_md, out_json = out_md or BENCH_OUT[suite][0], out_json or BENCH_OUT[suite][1]
+    # (not `or`: --out "" is refused as every empty output path is, not taken for the default)
+    out_md = BENCH_OUT[suite][0] if out_md is None else out_md
+    out_json = BENCH_OUT[suite][1] if out_json is None else out_json
     suite_only = (("--fp-seconds", "zoo"), ("--overhead-presets", "zoo"), ("--jobs", "history"))
     for option, applies in suite_only:
         _ignored(option, f"--suite {applies}", suite != applies)

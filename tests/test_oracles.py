@@ -616,22 +616,98 @@ def test_a_request_that_stops_making_progress_is_a_liveness_finding(make_run, mo
     assert found[0].signature == "liveness/-/progress/running:holds-kv"  # where it sits, what it is
 
 
-@pytest.mark.parametrize("abort", [False, True])
-def test_a_request_the_idle_engine_holds_nowhere_is_a_liveness_finding(make_run, abort):
-    """A retraction that releases a request and never queues it again (the mutant retract-requeue-lost of
-    benchmarks/mutants.py) loses it: it holds nothing and the engine goes idle, so no leak, no hang, and it
-    never made 300 steps without progress; it was never answered. Aborted first, the same."""
-    run = started(make_run, "default", 1, n_reqs=2, steps=2)  # both decoding in the running batch
+def _lost_by_retraction(make_run, page_size, abort=False):
+    """A retraction that releases requests and never queues them again (the mutant retract-requeue-lost of
+    benchmarks/mutants.py): the engine's own retract_decode retracts all but one, which the test then takes
+    out of the waiting queue it put them in. Returns the run and the retracted requests."""
+    run = started(make_run, "retract", page_size, n_reqs=3, steps=2)  # all decoding in the running batch
     eng = run.target.engine
     if abort:
         run.target.aborted.add(live_req(run).rid)
-    req = live_req(run)
-    eng.release_req(req)  # released as a retraction, then dropped instead of queued again
-    eng.running_batch.remove(req)
+    kept = eng.retract_decode(list(eng.running_batch), force=True)
+    gone = [r for r in eng.waiting_queue if r not in kept]
+    assert gone and all(not r.kv.holds_kv for r in gone)
+    for r in gone:
+        eng.waiting_queue.remove(r)
+    return run, gone
+
+
+@pytest.mark.parametrize("page_size, abort", [(1, False), (1, True), (4, False)])
+def test_a_request_the_idle_engine_holds_nowhere_is_a_liveness_finding(make_run, page_size, abort):
+    """A retraction that releases a request and drops it loses it: it holds nothing and the engine goes
+    idle, so no leak, no hang, and it never made 300 steps without progress; it was never answered. Aborted
+    first, the same. The signature names the path that released it last (Target.dropped_by), one signature
+    whatever the program (page size, how many were lost)."""
+    run, gone = _lost_by_retraction(make_run, page_size, abort)
     found = run.apply(Idle())
     assert kinds(found) == ["liveness"]
-    assert f"req:{req.rid} (lost:" in found[0].message and "never answered" in found[0].message
-    assert found[0].signature == "liveness/-/progress/-:lost"
+    assert f"req:{min(r.rid for r in gone)} (lost:" in found[0].message and "never answered" in found[0].message
+    assert "last handled by retract_decode@scheduler_decode_mixin.py" in found[0].message
+    assert found[0].signature == "liveness/-/progress/-:lost/retract_decode@scheduler_decode_mixin.py"
+
+
+def test_requests_lost_on_two_paths_have_two_signatures(make_run):
+    """A priority preemption that releases its victim and never queues it again (the mutant
+    priority-preempted-lost) loses it as the retraction above does: both used to be
+    liveness/-/progress/-:lost, one signature for two bugs. The preemption is named by its own path."""
+    run = make_run("priority", max_running_requests=1)
+    eng = run.target.engine
+    assert run.apply(Submit(family=0, prompt_len=12, max_new_tokens=10, priority=0)) == []
+    assert run.apply(Step(4)) == []
+    (victim,) = eng.running_batch
+    queue = eng._add_request_to_queue
+    eng._add_request_to_queue = lambda req: req is not victim and queue(req)  # the preempted one is dropped
+    assert run.apply(Submit(family=1, prompt_len=6, max_new_tokens=4, priority=5)) == []
+    assert run.apply(Step(1)) == [] and eng.num_retractions == 1 and victim not in eng.waiting_queue
+    found = run.apply(Idle())
+    assert kinds(found) == ["liveness"] and f"req:{victim.rid} (lost:" in found[0].message
+    assert found[0].signature == "liveness/-/progress/-:lost/preempt_to_schedule@scheduler_prefill_mixin.py"
+    other, _ = _lost_by_retraction(make_run, 1)
+    assert other.apply(Idle())[0].signature != found[0].signature
+
+
+def test_a_request_lost_before_any_release_names_no_path(make_run):
+    """A request dropped from the waiting queue before it ever ran was never released: nothing handled it
+    that the target records, and the signature is the bare -:lost."""
+    run = make_run("default", max_running_requests=1)
+    eng = run.target.engine
+    for i in range(2):
+        assert run.apply(Submit(family=i, prompt_len=8, max_new_tokens=4)) == []
+    assert run.apply(Step(1)) == []
+    (waiting,) = eng.waiting_queue
+    eng.waiting_queue.remove(waiting)
+    found = run.apply(Idle())
+    assert kinds(found) == ["liveness"] and f"req:{waiting.rid} (lost:" in found[0].message
+    assert found[0].signature == "liveness/-/progress/-:lost" and "last handled" not in found[0].message
+
+
+def test_a_lost_request_is_reported_once_even_when_suppressed(make_run, monkeypatch):
+    """A lost request stays lost: its finding, suppressed, was built again (the roots walked, the engine's own
+    check run) at every check while the engine idled, 400 times in 400 idle steps. Now each lost request is
+    reported once; another lost later is still reported."""
+    from kvaudit.audit.oracles import outcome
+    from kvaudit.audit.suppress import Suppression, SuppressionSet
+    built = []
+    attach = outcome.attach_engine_verdict
+    monkeypatch.setattr(outcome, "attach_engine_verdict", lambda t, fs: attach(t, built.extend(fs) or fs))
+    run = AuditedRun(get_preset("retract").config(), suppressions=SuppressionSet([Suppression(signature="liveness/*")]))
+    try:
+        for i in range(3):
+            assert run.apply(Submit(family=i, prompt_len=9, max_new_tokens=8)) == []
+        assert run.apply(Step(2)) == []
+        eng = run.target.engine
+        kept = eng.retract_decode(list(eng.running_batch), force=True)
+        gone = sorted((r for r in eng.waiting_queue if r not in kept), key=lambda r: r.rid)
+        assert len(gone) == 2
+        for r in gone:
+            eng.waiting_queue.remove(r)
+        assert run.apply(Idle()) == []
+        for _ in range(20):
+            assert run.apply(Step(1)) == []
+        assert [f.message.split(" ")[0] for f in built] == [f"req:{r.rid}" for r in gone]
+        assert [f.kind for f in run.suppressed] == ["liveness"] and run.findings == []
+    finally:
+        run.auditor.uninstall()
 
 
 def test_lock_balance_is_checked_at_idle_only(make_run):

@@ -678,3 +678,16 @@ SPLITS = {  # (pd-abort-after-transfer-leak's and radix-lock-skips-matched-node'
 def test_a_zoo_bug_found_by_a_fuzzed_program_keeps_the_regression_files_signatures(bug, zoo):
     config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{bug}.json"))
     assert set(execute(config, SPLITS[bug]).signatures) <= {f.signature for f in zoo[bug]}
+
+
+@pytest.mark.parametrize("full_stacks", [True, False])
+def test_a_wrapper_of_the_release_entry_does_not_cut_a_retractions_path(full_stacks):
+    """The built-in target wraps release_kv_cache (the release entry) to record each request's last release
+    (Target.dropped_by); the wrapper is a pass_through frame between the entry and the path that chose the
+    release. The fast stacks' walk (a search's per-step replay) stopped at any framework frame past an entry,
+    so retract-unaligned-page's leak was named by the entry itself, release_kv_cache@scheduler.py; now both
+    walks go past the wrapper, to the retraction's release_req, as recorded."""
+    config, program, recorded, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "retract-unaligned-page.json"))
+    got = execute(config, program, full_stacks=full_stacks).findings
+    assert recorded[0].signature == "leak/token_to_kv_pool/request-kv/release_req@scheduler_decode_mixin.py"
+    assert [f.signature for f in got][:1] == [recorded[0].signature]

@@ -1229,6 +1229,28 @@ def test_a_plugins_lost_by_or_freed_by_that_returns_no_strings_is_the_targets_on
     assert r.stderr.strip().splitlines()[-1].startswith(f"kvaudit: error: target labelnottext: _LabelNotText.{method}(")
 
 
+class _LaterLabelsRaise(_LabelRaises):
+    def freed_under_reader(self, pool, units, frees):
+        return self._bug("freed_under_reader")(pool, units, frees)
+
+    def dropped_by(self, rid):
+        return self._bug("dropped_by")(rid)
+
+
+@pytest.mark.parametrize("method, args", [("freed_under_reader", ("rows", np.array([1]), np.array([2]))),
+                                          ("dropped_by", ("r1",))])
+def test_every_method_that_only_labels_a_finding_is_the_targets_one_line_when_it_raises(method, args):
+    """freed_under_reader and dropped_by came after LABELS (crash_by, lost_by, freed_by): a plugin's that raised
+    was reported as the engine's crash or kvaudit's internal error. Each is wrapped as the others are."""
+    from kvaudit.targets.base import check_reads_always
+
+    target = _LaterLabelsRaise(LabelToyConfig(preset=method))
+    check_reads_always(target, "labelraises")
+    with pytest.raises(registry.TargetDefinitionError,
+                       match=re.escape(f"target labelraises: _LaterLabelsRaise.{method} raised RuntimeError")):
+        getattr(target, method)(*args)
+
+
 class _WrongWhenShort(rowtoy_plugin.RowToyTarget):
     def is_idle(self):  # a mistake only a program with one submit meets: one a minimization tries
         idle = super().is_idle()

@@ -404,7 +404,7 @@ def test_kv_whose_content_tags_are_lost_is_stale_at_its_next_read():
     ("free-preempted-under-inflight-step", "use-after-free",
      f"use-after-free/{POOL}/schedule@scheduler.py/_preempt_request@scheduler.py/check:inflight-write",
      "vllm-kv-connector-small"),
-    ("leak-rejected-draft-blocks", "leak", f"leak/{POOL}/schedule@scheduler.py", "vllm-spec"),
+    ("leak-rejected-draft-blocks", "leak", f"leak/{POOL}/schedule@scheduler.py/table:cut", "vllm-spec"),
     ("lose-failed-load", "hang", "hang/-/idle/waiting:waiting-for-remote-kvs", "vllm-kv-fail-abort"),
     ("keep-computed-on-preempt", "stale-kv", f"stale-kv/{POOL}/freed:_free_request_blocks@scheduler.py", "vllm-small"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
@@ -650,12 +650,14 @@ def test_a_target_without_faults_does_not_import_the_faults_module(preset):
     assert r.stdout.split() == ["none", "faults", "free_with_faults"]
 
 
-@pytest.mark.xfail(strict=True, reason="open: two faults' ownerless leaks share a signature (ts65)")
 def test_a_skipped_free_of_a_one_step_request_is_not_the_rejected_draft_leak():
     """skip-free of a request that finished in its first step: no check saw it hold its block and no release
-    named it, so the leak reads leak/block_pool/schedule@scheduler.py, the one signature that
-    fault-leak-rejected-draft-blocks.json records (both faults drop a table and keep its refs; found by
-    `kvaudit fuzz --target vllm --preset vllm --bug skip-free --seed 1 --corpus DIR`, and on vllm-spec)."""
-    _, _, draft, _ = replay.load(os.path.join(ROOT, "corpora", "vllm", "fault-leak-rejected-draft-blocks.json"))
+    named it, as the rejected drafts' block of fault-leak-rejected-draft-blocks.json (both faults drop table
+    entries and keep their refs; found by `kvaudit fuzz --target vllm --preset vllm --bug skip-free --seed 1
+    --corpus DIR`, and on vllm-spec). What the target recorded of the block's table tells them apart: the
+    request's whole table went with the block in it (table:lost), or the table went on without it (table:cut)."""
+    config, program, draft, _ = replay.load(os.path.join(ROOT, "corpora", "vllm", "fault-leak-rejected-draft-blocks.json"))
     found = execute(cfg("vllm", bugs=frozenset({"skip-free"})), [Submit(0, 1, 1), Step(1)]).signatures
-    assert found and not set(found) & {f.signature for f in draft}, found
+    assert found == [f"leak/{POOL}/schedule@scheduler.py/table:lost"], found
+    cut = execute(config, program).signatures
+    assert cut == [f.signature for f in draft] == [f"leak/{POOL}/schedule@scheduler.py/table:cut"], cut

@@ -63,7 +63,7 @@ def test_drafts_are_verified_rolled_back_and_completions_end_at_stop_at(preset, 
 
 def test_planted_rejected_draft_leak_is_found_minimized_and_clean_without_the_fault(tmp_path):
     doc, path = fuzz_fault(tmp_path, "vllm", "vllm-spec", "leak-rejected-draft-blocks", max_time="60")
-    assert doc["findings"][0]["signature"] == "leak/block_pool/schedule@scheduler.py"
+    assert doc["findings"][0]["signature"] == "leak/block_pool/schedule@scheduler.py/table:cut"
     minimized_fault_program(path, max_ops=4)  # minimized: a request or two decoding with drafts
 
 

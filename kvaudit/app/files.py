@@ -78,6 +78,8 @@ def folder_problem(path: str) -> str | None:
 def check_dir(path: str, flag: str) -> None:
     """An output directory (made when written): a directory or nothing yet, where a file can be created.
     Raises :class:`InputError`."""
+    if path == "":  # (an unset variable in a script: realpath("") is the current directory)
+        raise InputError(f"--{flag}: want a directory name, not \"\"")
     real = os.path.realpath(path)
     if os.path.exists(real) and not os.path.isdir(real):
         raise InputError(f"--{flag} {path}: not a directory")

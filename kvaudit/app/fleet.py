@@ -129,6 +129,8 @@ def pull(db: str, campaign: str, directory: str) -> int:
     from kvaudit.search.corpus_fuzz import CorpusStore
     from kvaudit.search.hub import Hub, safe_url, worker_id
 
+    if directory == "":  # (an unset variable in a script: os.path.join("", ...) is the current directory)
+        raise InputError('DIRECTORY: want a directory name, not ""')
     client = check_db(db)
     _unknown(client, db, campaign, refuse=True)  # (a typo pulled nothing, exit 0)
     err = make_console(stderr=True)

@@ -34,7 +34,8 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     if rule is not None:  # (minimizing would only say that it does not reproduce)
         raise InputError(f"{signature} is suppressed by rule #{rule.index} ({rule.describe()}) of {suppress_file}: "
                          "minimize it without that rule")
-    out_file = out_file or (file[:-5] if file.endswith(".json") else file) + ".min.json"
+    if out_file is None:  # (not `or`: -o "" is refused as every empty output path is, not the default)
+        out_file = (file[:-5] if file.endswith(".json") else file) + ".min.json"
     check_paths((file,), output=out_file)  # the same checks as the report flags, named as the flag
     require_target(config, recorded_in=file)  # last: a real engine's probe imports it (seconds)
     console, err = make_console(), make_console(stderr=True)

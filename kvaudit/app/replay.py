@@ -10,8 +10,8 @@ from rich.text import Text
 
 from kvaudit import atomic, replay
 from kvaudit.app.configs import check_device, require_target, with_tree_core
-from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, InputError,
-                                unreadable, write_error)
+from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, DiskFull,
+                                InputError, unreadable, write_error)
 from kvaudit.app.files import check_outputs, load_suppressions, write_reports
 from kvaudit.app.progress import OpProgress, console as make_console
 from kvaudit.audit.runner import execute
@@ -89,13 +89,13 @@ def record_timeline(config, program, sset, err: Console) -> dict | None:
 
 def update_replays(files: tuple[str, ...]) -> int:
     """``replay --update`` (:func:`kvaudit.replay.rerecord`), one line per file; exit 4 if a finding was lost. A file
-    that cannot be read or run here is one error line on stderr, and the rest are still re-recorded; the exit code
-    is then the first such file's."""
+    that cannot be read, run or written here is one error line on stderr, and the rest are still re-recorded; the
+    exit code is then the first such file's. A full disk stops it, naming the files it re-recorded before."""
     for file in files:  # (each before any is replayed: a pipe reads once, and a descriptor is no file to rewrite)
         if (link := atomic.fd_link(file)) is not None:
             raise InputError(f"{file}: {link} is a file descriptor's link, not a file: --update rewrites files in place")
     console = make_console()
-    lost, refused = 0, None
+    lost, refused, written = 0, None, []
     for file in files:
         try:
             config, program, recorded, *_ = load_replay(file, None)
@@ -108,8 +108,15 @@ def update_replays(files: tuple[str, ...]) -> int:
             with OpProgress(make_console(stderr=True), f"replaying {shown_path(file)}", len(program)) as progress:
                 findings = execute(config, program, drain=drain, on_op=progress).findings
             outcome = replay.rerecord(file, findings, timeline=timeline.record)
-        except OSError as e:
-            raise write_error(e, file) from None
+        except OSError as e:  # a full disk stops here; a file it may not write (permissions) is left as it was
+            error = write_error(e, file, kept=written)
+            if isinstance(error, DiskFull):
+                raise error from None
+            click.echo(f"kvaudit: error: {error.format_message()}", err=True)
+            refused = refused or error
+            continue
+        if outcome.startswith("updated"):
+            written.append(file)
         lost += outcome.startswith("not updated")
         console.print(f"{shown_path(file)}: {outcome}", soft_wrap=True)
     if refused is not None:

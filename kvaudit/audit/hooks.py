@@ -210,8 +210,8 @@ class Auditor(Ledger, PoolWrappers):
                 if sid is None:
                     code = f.f_code
                     fw, _, entry, _ = self._info.get(id(code)) or self._code_info(code)
-                    if fw:
-                        sid = sites[key] = -2  # a framework frame: look further out
+                    if fw:  # a framework frame: look further out (-4: a pass_through wrapper, also past entries)
+                        sid = sites[key] = -4 if id(code) in _PASS_THROUGH else -2
                     elif entry:
                         sid = sites[key] = -3  # a release entry: its caller names the path
                     else:
@@ -222,10 +222,10 @@ class Auditor(Ledger, PoolWrappers):
                         sites[key] = sid
                 if sid == -3:
                     lead += ((id(f.f_code), f.f_lineno),)
+                elif sid >= 0:
+                    return self._intern((lead + self._site_frames[sid][0], None)) if lead else sid
                 elif sid == -2 and lead:
                     break  # back in the framework above the entry frames: the engine's part ends
-                elif sid != -2:
-                    return self._intern((lead + self._site_frames[sid][0], None)) if lead else sid
                 f = f.f_back
             return self._intern((lead, None))
         cache, miss = self._info, self._code_info

@@ -338,6 +338,13 @@ class Target:
         free. None (default): the target records nothing."""
         return None
 
+    def dropped_by(self, rid: str) -> str | None:
+        """For request ``rid``, which :meth:`progress` calls :data:`LOST`, what last handled it, as the target
+        recorded it (a lost request's signature's last part, one value per path that drops requests, e.g. the
+        function that released it last: a retraction, a preemption), ``""`` for nothing recorded; None
+        (default): the target records nothing."""
+        return None
+
     def free_lists(self) -> dict:
         """``{pool: [n] int64}``: the engine's free lists, checked against the event log; default none."""
         return {}
@@ -613,6 +620,7 @@ def _read_rules(pools: dict) -> dict:
         "crash_by": (lambda v: isinstance(v, str), "a string"),  # (the finding's check: a replay file reads a string)
         "lost_by": (per_unit_text, "None or a list of strings (one per unit)"),  # (a signature's part, as crash_by)
         "freed_by": (per_unit_text, "None or a list of strings (one per unit)"),
+        "dropped_by": (lambda v: v is None or isinstance(v, str), "a string or None"),  # (the check's last part)
     }
 
 
@@ -683,7 +691,7 @@ def check_reads_always(target, kind: str) -> None:
 
 #: the optional methods that only label a finding (its signature's part): one that raises loses the finding, so
 #: :func:`check_reads_always` makes the raise the target's one line (exit 2), not the engine's crash or kvaudit's
-LABELS = ("crash_by", "lost_by", "freed_by")
+LABELS = ("crash_by", "lost_by", "freed_by", "freed_under_reader", "dropped_by")
 
 
 def _units_problem(cls_name: str, root: Root, top: int | None = None) -> str | None:

@@ -38,24 +38,34 @@ def quiescence(run) -> list[Finding]:
 
 def liveness(run) -> list[Finding]:
     """``liveness``: a request that holds KV, or was aborted, and makes no progress for
-    LIVENESS_STEPS steps (a parked request nobody schedules, an abort that never ends it); at once, one
-    the target calls :data:`~kvaudit.targets.base.LOST` (never answered, held nowhere)."""
+    LIVENESS_STEPS steps (a parked request nobody schedules, an abort that never ends it); at once, and once,
+    one the target calls :data:`~kvaudit.targets.base.LOST` (never answered, held nowhere), named by what
+    last handled it (``Target.dropped_by``)."""
     now, seen = run.target.steps, {}
     for rid, value in run.target.progress().items():
         last = run.last_progress.get(rid)
         seen[rid] = last if last is not None and last[0] == value else (value, now)
     run.last_progress = seen
-    stuck = sorted(rid for rid, (value, since) in seen.items() if value == LOST or now - since >= LIVENESS_STEPS)
+    # (a lost request is reported once: suppressed, it was built again at every check while the engine idled)
+    told = run.lost_told
+    stuck = sorted(rid for rid, (value, since) in seen.items()
+                   if (rid not in told if value == LOST else now - since >= LIVENESS_STEPS))
     if not stuck:
         return []
     run.last_progress = {}
+    if seen[stuck[0]][0] == LOST:
+        told.add(stuck[0])
     state = "lost" if seen[stuck[0]][0] == LOST else "aborted" if seen[stuck[0]][0] < 0 else "holds-kv"
     what = {"lost": "lost: never answered, and the engine holds it nowhere", "aborted": "aborted, never finished",
             "holds-kv": "holds KV"}[state]
-    # its signature names where the request sits (Root.where) and what it is, never its id
+    # its signature names where the request sits (Root.where) and what it is, never its id; a lost request,
+    # what last handled it (Target.dropped_by: the path that dropped it)
     where = next((r.where for r in run.target.roots() if r.owner == f"req:{stuck[0]}" and r.where), "")
-    f = Finding(kind="liveness", pool="-", op_index=run.ops_run - 1, step=now, check=f"{where or '-'}:{state}",
-                message=f"req:{stuck[0]} ({what}{f', in {where}' if where else ''})"
+    by = run.target.dropped_by(stuck[0]) if state == "lost" else None
+    f = Finding(kind="liveness", pool="-", op_index=run.ops_run - 1, step=now,
+                check=f"{where or '-'}:{state}" + f"/{by}" * bool(by),
+                message=f"req:{stuck[0]} ({what}{f', in {where}' if where else ''}"
+                        + f"; last handled by {by}" * bool(by) + ")"
                         + ("" if state == "lost" else f" made no progress for {LIVENESS_STEPS} steps")
                         + (f"; also {', '.join(stuck[1:4])}" if len(stuck) > 1 else ""))
     return attach_engine_verdict(run.target, [f])

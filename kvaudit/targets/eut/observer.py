@@ -11,11 +11,14 @@ live request holds is, by construction, unreachable.
 
 from __future__ import annotations
 
+import os
+import sys
 from itertools import repeat
 
 import numpy as np
 import torch
 
+from kvaudit.audit.hooks import pass_through
 from kvaudit.targets.eut.deltas import EutDeltas
 from kvaudit.targets.eut.evictions import Evictions
 from kvaudit.targets.eut.tree_edits import TreeEdits
@@ -37,6 +40,7 @@ class EutObserver(Target):
 
     lock_holders_exact = True  # lock_holders() reads every lock receipt the engine keeps
     evictions: Evictions | None = None  # the token pool's tree evictions (freed_by), once installed
+    released_by: dict[str, str] | None = None  # rid -> the path of its last release (dropped_by), once installed
 
     # -- KV content (shadow tags) ------------------------------------------------------------
     def kv_pools(self) -> dict[str, int]:
@@ -379,6 +383,38 @@ class EutObserver(Target):
         if spec.name == "token_to_kv_pool" and not tree.disable and not auditor.lean:
             self.evictions = Evictions(auditor, spec.name, spec.page_size)
             self.evictions.install(tree, wrap)
+        if spec.name == "req_to_token_pool":
+            self.released_by = None if auditor.lean else self._record_releases(wrap)
+
+    #: the plumbing between a request's release and the path that chose it: the release entries and a
+    #: retraction's release (retract_decode, a priority preemption and a retract pause share release_req)
+    _RELEASE_PLUMBING = frozenset({"release_kv_cache", "_release_finished", "release_req"})
+
+    def _record_releases(self, wrap) -> dict[str, str]:
+        """Wrap the engine's ``release_kv_cache``, so that each request's last release is recorded by its
+        path (``function@file``, the first frame above :attr:`_RELEASE_PLUMBING`), for :meth:`dropped_by`.
+        A walk of a few frames per release: installed only where a run is not lean (a search's sparse run,
+        whose hits its per-step replay reports). Returns the record, ``{rid: path}``."""
+        eng, plumbing, record = self.engine, self._RELEASE_PLUMBING, {}
+        release = eng.release_kv_cache
+
+        @pass_through  # (between engine frames: a free's stack goes on to the path that chose the release)
+        def release_wrapper(req, *args, **kwargs):
+            out = release(req, *args, **kwargs)
+            f = sys._getframe(1)
+            while f.f_back is not None and f.f_code.co_name in plumbing:
+                f = f.f_back
+            record[req.rid] = f"{f.f_code.co_name}@{os.path.basename(f.f_code.co_filename)}"
+            return out
+
+        wrap(eng, "release_kv_cache", release_wrapper)
+        return record
+
+    def dropped_by(self, rid: str) -> str | None:
+        """The path of ``rid``'s last release (``retract_decode@scheduler_decode_mixin.py``: a retraction;
+        ``preempt_to_schedule@scheduler_prefill_mixin.py``: a priority preemption; ``process_batch_result@scheduler.py``:
+        a finish), ``""`` for a request never released; None where releases are not recorded (a lean run)."""
+        return None if self.released_by is None else self.released_by.get(rid, "")
 
     def freed_by(self, pool: str, units, frees) -> list[str] | None:
         """``unlocked`` for each of ``units`` that ``frees`` freed by evicting a tree node no lock receipt

@@ -25,6 +25,7 @@ Private names read here are those of vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0 (w
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from operator import attrgetter
 
@@ -35,6 +36,7 @@ from kvaudit.targets.base import Accounting, PoolSpec, ReadOnce, Root, TargetFin
 POOL = "block_pool"
 # a KVCacheBlock's fields, read in C (map over the pool's blocks)
 _BLOCK_HASH, _BLOCK_ID, _REF_CNT = attrgetter("block_hash"), attrgetter("block_id"), attrgetter("ref_cnt")
+TABLE_FRAMES = 3  # frames above a get_new_blocks/touch call searched for the manager and request it serves
 
 
 def after_call(obj, name: str, hook, wrap=setattr) -> None:
@@ -89,6 +91,7 @@ class VllmObserver:
         self.event_map: Counter = Counter()  # (external hash, group) -> blocks, from vLLM's KV-cache events
         self._event_keys: dict = {}  # a map key -> its (external hash, group), as an event names it
         self._auditor = None
+        self.block_tables: list | None = None  # per block, its latest table (_wrap_tables; None: unaudited)
         self._reads = ReadOnce()  # the holders, free queue and counts one check reads twice otherwise
         # the scheduler's call in update_from_output; the events still go on
         after_call(self.manager, "take_events", lambda events, *_, **__: self._replay_events(events, self.event_map))
@@ -127,6 +130,7 @@ class VllmObserver:
             return out
 
         wrap(pool, "free_blocks", free_wrapper)
+        self._wrap_tables(auditor, wrap)
         if self.V.has("pending-cow"):
             for mgr in self.groups:
                 self._wrap_cow_refs(mgr, auditor, wrap)
@@ -134,6 +138,58 @@ class VllmObserver:
             self._wrap_hash_helpers(auditor, wrap)
         else:
             self._wrap_hash_map(auditor)
+
+    def _wrap_tables(self, auditor, wrap) -> None:
+        """Record, per block, the block table its latest ``get_new_blocks`` or ``touch`` took it for: the list
+        ``req_to_blocks[request_id]`` of the single-type manager that called (the nearest of
+        :data:`TABLE_FRAMES` frames with a ``self`` that has ``req_to_blocks`` and a str ``request_id``), and
+        ``len(auditor.events)`` after the call (read by :meth:`lost_by`). Only calls that take blocks pay the
+        frame walk (a few per request, not one per step)."""
+        n = self.config.num_gpu_blocks
+        self.block_tables = [None] * n
+        self.block_table_at = np.full(n, -1, dtype=np.int64)
+
+        def record(blocks) -> None:
+            f = sys._getframe(2)
+            for _ in range(TABLE_FRAMES):
+                if f is None:
+                    return
+                rid, tables = f.f_locals.get("request_id"), getattr(f.f_locals.get("self"), "req_to_blocks", None)
+                if isinstance(rid, str) and tables is not None:
+                    table, at = tables.get(rid), len(auditor.events)
+                    for b in block_ids(blocks):
+                        self.block_tables[b], self.block_table_at[b] = table, at
+                    return
+                f = f.f_back
+
+        for name in ("get_new_blocks", "touch"):
+            fn = getattr(self.pool, name)
+
+            def call(*a, _fn=fn, _new=name == "get_new_blocks", **k):
+                out = _fn(*a, **k)
+                blocks = out if _new else a[0] if a else k.get("blocks")
+                if blocks and isinstance(blocks, (list, tuple)):
+                    record(blocks)
+                return out
+
+            wrap(self.pool, name, call)
+
+    def lost_by(self, pool: str, units) -> list[str] | None:
+        """Per leaked block of ``units`` (``[n] int64``; no holder at the previous check, no free named it),
+        what its latest block table (:meth:`_wrap_tables`) says: ``table:lost`` when that table still lists it
+        (the table went out of reach whole: dropped, or kept for a request the scheduler no longer knows),
+        ``table:cut`` when it no longer does (cut off its table with no free), ``""`` when no table was
+        recorded since the block's latest allocation. None for another pool, or unaudited."""
+        tables = self.block_tables
+        if pool != POOL or tables is None:
+            return None
+        u = np.asarray(units, dtype=np.int64)
+        fresh = self.block_table_at[u] > self._auditor.ledgers[POOL].last_alloc[u]
+        out = []
+        for b, ok in zip(u.tolist(), fresh.tolist()):
+            table = tables[b] if ok else None
+            out.append("" if table is None else "table:lost" if b in block_ids(table) else "table:cut")
+        return out
 
     def _wrap_cow_refs(self, mgr, auditor, wrap) -> None:
         """Wrap ``mgr.allocate_new_blocks``: a copy-on-write it queues (``_pending_cow_copies``: a partial
