@@ -218,8 +218,9 @@ def _set_step_timeout(ctx, param, value):
     from kvaudit.audit.runner import set_step_timeout, step_timeout
 
     # process-wide: reset every command, and the caller's put back when it returns (an in-process caller, a test,
-    # kept the last command's, fuzz's and ci's own for their budget included)
-    ctx.call_on_close(functools.partial(set_step_timeout, step_timeout()))
+    # kept the last command's, fuzz's and ci's own for their budget included); by the root context, which closes
+    # also when an option read after this one is refused (the command's own is then never closed)
+    ctx.find_root().call_on_close(functools.partial(set_step_timeout, step_timeout()))
     set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)
     return value
 
@@ -262,9 +263,19 @@ def main():
 
 
 def _set_paranoid(ctx, param, value):
-    if value:  # the environment, so that a campaign's worker processes inherit it
+    if value:  # the environment, so that a campaign's worker processes inherit it; the caller's put back when the
+        # command returns or is refused (the root context: as --step-timeout's limit)
+        ctx.find_root().call_on_close(functools.partial(_put_env, "KVAUDIT_PARANOID",
+                                                        os.environ.get("KVAUDIT_PARANOID")))
         os.environ["KVAUDIT_PARANOID"] = "1"
     return value
+
+
+def _put_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 _paranoid_option = click.option(

@@ -3,6 +3,7 @@
 within the budget as a hang finding naming the stuck frame."""
 
 import json
+import os
 import re
 import time
 
@@ -315,6 +316,34 @@ def test_a_command_puts_the_callers_step_limit_back_when_it_returns(tmp_path):
         res = invoke(*args, "--out", str(tmp_path / "out"))
         assert res.exit_code == 0, res.output + res.stderr
         assert runner.step_timeout() == 7.0, args
+
+
+def test_a_command_line_refused_after_step_timeout_puts_the_callers_step_limit_back():
+    """--step-timeout's callback set the process-wide limit as the command line was read and put the caller's back
+    when the command's context closed; a later option refused (--max-time -1, --seed -4) ended the reading before
+    that context was ever closed, so an in-process caller was left under the refused command's limit (3.0)."""
+    runner.set_step_timeout(7.0)
+    for args in (["fuzz", "--step-timeout", "3", "--max-time", "-1"], ["fuzz", "--step-timeout", "3", "--seed", "-4"],
+                 ["replay", "--step-timeout", "3", "--html"]):
+        res = invoke(*args)
+        assert res.exit_code == 2, res.output + res.stderr
+        assert runner.step_timeout() == 7.0, args
+
+
+def test_paranoid_is_the_commands_own_and_the_callers_environment_is_put_back(monkeypatch):
+    """--paranoid set KVAUDIT_PARANOID=1 in the process's environment (for a campaign's workers) and left it
+    there: an in-process caller (a test, the pytest fixture's runs) ran every later engine run paranoid, a
+    disagreement there raising. The caller's value is put back when the command returns, or is refused."""
+    from kvaudit.audit import oracles
+
+    monkeypatch.delenv("KVAUDIT_PARANOID", raising=False)
+    src = f"{ROOT}/corpora/regressions/session-close-while-running.json"
+    for args, code in ((["replay", src, "--paranoid"], 1), (["replay", "--paranoid", src, "--html"], 2)):
+        res = invoke(*args)
+        assert res.exit_code == code, res.output + res.stderr
+        assert oracles.paranoid_default() is False, args
+    monkeypatch.setenv("KVAUDIT_PARANOID", "0")
+    assert invoke("replay", src, "--paranoid").exit_code == 1 and os.environ["KVAUDIT_PARANOID"] == "0"
 
 # -- --max-time is search time (issue 34) -----------------------------------------------------------------
 

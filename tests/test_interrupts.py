@@ -1152,19 +1152,21 @@ def test_ci_interrupted_in_a_clean_fuzz_does_not_call_it_clean(tmp_path, monkeyp
 def test_ci_interrupted_names_the_regressions_and_presets_it_never_started(tmp_path, monkeypatch):
     """After Ctrl-C the job's table left out the regression files not replayed yet and the presets not fuzzed
     yet: a CI log's reader saw rows for what ran and could not tell the rest had been planned. Each has its
-    row, 'not run: interrupted before it started'."""
+    row, 'not run: interrupted before it started'; the file whose replay the interrupt cut short is 'interrupted
+    while it was replayed' (it was labelled as never started)."""
     from kvaudit.search import campaign, ci
 
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions",
                        "session-close-while-running.json")
     regs = tmp_path / "regs"
     regs.mkdir()
-    for name in ("a.json", "b.json"):
+    for name in ("a.json", "b.json", "c.json"):
         shutil.copy(src, regs / name)
     check = ci.check_regression
 
     def first_only(path, *a, **k):
         if path.endswith("b.json"):
+            check(path, *a, **k)  # (replayed, then cut short before its result)
             raise KeyboardInterrupt
         return check(path, *a, **k)
 
@@ -1175,7 +1177,8 @@ def test_ci_interrupted_names_the_regressions_and_presets_it_never_started(tmp_p
     rows = {line.split()[1]: line for line in r.stdout.splitlines()
             if line.startswith(("  regression ", "  fuzz "))}
     assert "ok" in rows["a"] and "not run" not in rows["a"], r.stdout
-    for name in ("b", "default", "chunked"):
+    assert rows["b"].split(None, 2)[2] == "interrupted while it was replayed", r.stdout
+    for name in ("c", "default", "chunked"):
         assert "not run: interrupted before it started" in rows[name], r.stdout
 
     monkeypatch.setattr(ci, "check_regression", check)

@@ -8,8 +8,13 @@ lines in ``<system-out>``, and the HTML's header says them; for ``kvaudit ci``, 
 
 import json
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 
+import rowtoy_plugin  # (registers the kind "rowtoy" in this process)
 from cli_helpers import invoke
+
+from kvaudit.config import Preset
+from kvaudit.targets import registry
 
 
 def _files(tmp_path) -> list[str]:
@@ -69,3 +74,68 @@ def test_a_clean_ci_jobs_report_files_say_what_each_preset_reached(tmp_path):
         assert out[0] == "reached: " + ", ".join(f"{k}={v}" for k, v in counts.items())
     html = (tmp_path / "r.html").read_text()
     assert all(f"{preset}: " + ", ".join(f"{k}={v}" for k, v in c.items()) in html for preset, c in reached.items())
+
+
+@dataclass(frozen=True)
+class _BracketConfig(rowtoy_plugin.RowToyConfig):
+    preset: str = "brackets"
+
+
+class _BracketReach(rowtoy_plugin.RowToyTarget):
+    """rowtoy's target counting paths whose names hold square brackets (any string names a path)."""
+
+    def reach(self):
+        return {"evict[lru]": self.steps, "hits[/]": 0, "tier[bold]": 1}
+
+
+def test_the_consoles_reach_lines_keep_a_paths_name_as_the_report_files_do(tmp_path):
+    """The console printed the reach lines as rich markup: a plugin's path named ``evict[lru]`` was printed
+    ``evict=...`` (``[lru]`` taken for a style, ``[/]`` for a closing tag), while the JUnit, SARIF and JSON kept
+    the name: the console and the report files, said to carry the same lines, named different paths."""
+    registry.register(registry.TargetKind(
+        "brackets", "rowtoy's engine counting paths named with brackets", _BracketConfig,
+        presets=lambda: {"brackets": Preset("brackets", "brackets", {}, _BracketConfig)}, make=_BracketReach,
+        default_preset="brackets"))
+    (tmp_path / "regs").mkdir()
+    try:
+        fuzz = invoke("fuzz", "--target", "brackets", "--fuzzer", "random", "--max-time", "1", "--out",
+                      str(tmp_path / "o"), *_files(tmp_path))
+        ci = invoke("ci", "--target", "brackets", "--presets", "brackets", "--fuzzer", "random", "--max-time", "1",
+                    "--regressions", str(tmp_path / "regs"), "--out", str(tmp_path / "o"), "--junit",
+                    str(tmp_path / "ci.xml"))
+    finally:
+        registry._KINDS.pop("brackets")
+    assert fuzz.exit_code == 0, fuzz.output + fuzz.stderr
+    lines = _console_lines(fuzz.output)
+    assert lines[0].startswith("reached: evict[lru]=") and lines[1] == "not reached: hits[/] (not searched)", lines
+    (case,) = ET.parse(tmp_path / "r.xml").getroot().iter("testcase")
+    assert case.find("system-out").text.splitlines() == lines
+    assert ci.exit_code == 0, ci.output + ci.stderr
+    line = next(x for x in ci.stderr.splitlines() if x.startswith("fuzz brackets: "))
+    out = next(ET.parse(tmp_path / "ci.xml").getroot().iter("system-out")).text.splitlines()
+    assert f"; {out[0]}; {out[1]}" in line, line
+
+
+def test_an_interrupted_fuzz_runs_junit_says_what_it_reached(tmp_path, monkeypatch):
+    """Interrupted, `kvaudit fuzz` printed its reach lines and its JSON and SARIF kept them, but its JUnit's
+    skipped case had none (the lines went with the clean case only), where ci's interrupted preset case has them:
+    the skipped case carries the console's lines in its <system-out>, after <skipped>."""
+    from kvaudit.search import fuzz
+
+    run, calls = fuzz.run_program, []
+
+    def stopped_after_20(*a, **k):
+        calls.append(1)
+        if len(calls) > 20:
+            raise KeyboardInterrupt
+        return run(*a, **k)
+
+    monkeypatch.setattr(fuzz, "run_program", stopped_after_20)
+    r = invoke("fuzz", "--preset", "retract", "--fuzzer", "random", "--max-time", "30", "--out", str(tmp_path / "o"),
+               *_files(tmp_path))
+    assert r.exit_code == 130, r.output + r.stderr
+    lines = _console_lines(r.output)
+    assert lines and lines[0].startswith("reached: "), r.output
+    (case,) = ET.parse(tmp_path / "r.xml").getroot().iter("testcase")
+    assert [child.tag for child in case] == ["skipped", "system-out"]
+    assert case.find("system-out").text.splitlines() == lines

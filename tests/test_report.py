@@ -502,14 +502,22 @@ def test_a_missing_directory_of_a_report_path_is_created_where_the_path_names_it
     (lambda d: d.update(timeline={"steps": [0, 1], "ops": [0], "pools": {}}), "bad timeline"),
     (lambda d: d.update(suppressed=["leak"]), 'bad "suppressed"'),
     (lambda d: d.update(format="other"), "not a kvaudit replay file"),
+    # the run facts the report files are made of (a --json's): these ended as 'kvaudit: internal error' (exit 70)
+    (lambda d: d.update(reached="aborts=3"), 'bad "reached"'),
+    (lambda d: d.update(reached={"aborts": 3, "default": {"aborts": 1}}), 'bad "reached"'),
+    (lambda d: d.update(reached={"default": {"aborts": "3"}}), 'bad "reached"'),
+    (lambda d: d.update(nothing_searched=5), 'bad "nothing_searched"'),
+    (lambda d: d.update(seconds="4.0"), 'bad "seconds"'),
 ])
 def test_report_of_a_malformed_file_is_one_line(tmp_path, doc_change, message):
     doc = json.load(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")))
     doc_change(doc)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(doc))
-    r = invoke("report", str(bad))
+    outs = {f"--{fmt}": str(tmp_path / f"r.{fmt}") for fmt in ("html", "sarif", "junit", "json")}
+    r = invoke("report", str(bad), *[a for kv in outs.items() for a in kv])
     assert r.exit_code == 2 and message in one_error_line(r)
+    assert not any(os.path.exists(p) for p in outs.values())
 
 
 # -- progress off a terminal -------------------------------------------------------------------------

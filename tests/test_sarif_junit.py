@@ -1026,3 +1026,26 @@ def test_junit_and_sarif_say_what_the_target_says_of_a_use_after_frees_free():
     plain = dataclasses.replace(f, lost_by="")
     assert "what the target says" not in ET.fromstring(to_junit([plain])).find(".//failure").text
     assert "freed_by" not in to_sarif([plain])["runs"][0]["results"][0]["properties"]
+
+
+# Jenkins' JUnit schema (junit-10.xsd, quoted in pytest's record_xml_attribute docs): a testcase's children in order
+JUNIT_CASE_ORDER = ("skipped", "error", "failure", "system-out", "system-err")
+
+
+def test_ci_junit_cases_keep_the_schemas_child_order():
+    """kvaudit ci's case of a preset interrupted (or that searched nothing) put its <system-out> (the reach lines,
+    'interrupted before its budget was spent') before its <skipped>: Jenkins' schema takes a testcase's children
+    as skipped, error, failure, system-out, system-err, in that order, and refused the file."""
+    from kvaudit.search import ci
+
+    runs = [ci.FuzzRun("default", 1.0, 40, interrupted=True, reached={"aborts": 3, "retractions": 0}),
+            ci.FuzzRun("chunked", 1.0, 0, reached={"aborts": 0}),
+            ci.FuzzRun("retract", 1.0, 0, interrupted=True, known_open=[]),
+            ci.FuzzRun("paged", 1.0, 9, reached={"aborts": 1})]
+    root = ET.fromstring(ci.junit(ci.CiResult(fuzz=runs, interrupted=True)))
+    cases = list(root.iter("testcase"))
+    assert {c.get("name") for c in cases if c.find("skipped") is not None and c.find("system-out") is not None} == {
+        "default: interrupted", "chunked: nothing searched", "retract: interrupted"}  # (a skipped case with lines)
+    for case in cases:
+        tags = [child.tag for child in case]
+        assert tags == sorted(tags, key=JUNIT_CASE_ORDER.index), (case.get("name"), tags)

@@ -1195,6 +1195,40 @@ def test_a_plugins_crash_by_lost_by_or_freed_by_that_raises_is_the_targets_one_l
     assert "Traceback" not in runs[0].stderr and f"in {method}" in runs[1].stderr
 
 
+class _LabelNotText(_LabelRaises):
+    """lost_by and freed_by that return a number per unit, not a string."""
+
+    def _bug(self, method: str):
+        if self.config.preset == method:
+            return lambda pool, units, *rest: [5] * len(units)
+        return getattr(super(rowtoy_plugin.RowToyTarget, self), method)
+
+
+@pytest.mark.parametrize("method", ["lost_by", "freed_by"])
+def test_a_plugins_lost_by_or_freed_by_that_returns_no_strings_is_the_targets_one_line_exit_2(method, tmp_path):
+    """lost_by and freed_by name a part of the signature, one string per unit: a plugin's that returned [5]
+    ended the run as 'kvaudit: internal error: TypeError: sequence item 1: expected str instance, int found'
+    (exit 70, blaming kvaudit). Their value is checked at every call, as crash_by's: the target's one line, exit 2."""
+    from kvaudit.audit.runner import execute
+    from kvaudit.program import Idle, Step, Submit
+
+    kind = registry.register(registry.TargetKind(
+        "labelnottext", "rowtoy's engine behind a target whose lost_by or freed_by returns numbers", LabelToyConfig,
+        presets=lambda: {n: Preset(n, n, {}, LabelToyConfig) for n in ("lost_by", "freed_by")},
+        make=_LabelNotText, default_preset="lost_by"))
+    try:
+        program = [Submit(prompt_len=4, max_new_tokens=2), Step(n=3), Idle()]
+        with pytest.raises(registry.TargetDefinitionError, match=re.escape(f"_LabelNotText.{method}(") + ".*"
+                           + re.escape("must return None or a list of strings (one per unit), got [5")):
+            execute(kind.preset(method).config(), program)
+        r = invoke("fuzz", "--target", "labelnottext", "--preset", method, "--fuzzer", "random", "--max-time", "3",
+                   "--seed", "1", "--out", str(tmp_path))
+    finally:
+        registry._KINDS.pop("labelnottext")
+    assert r.exit_code == 2, r.output + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"kvaudit: error: target labelnottext: _LabelNotText.{method}(")
+
+
 class _LaterLabelsRaise(_LabelRaises):
     def freed_under_reader(self, pool, units, frees):
         return self._bug("freed_under_reader")(pool, units, frees)

@@ -57,6 +57,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         _prepare_fuzz(out_dir, corpus_dir, fuzzer)
     console, err = make_console(), make_console(stderr=True)
     result = ci.CiResult()
+    replaying = None  # the regression file whose replay began last (an interrupt there cuts it short)
     catch_sigint()
     try:
         # NOTE: loaded before the header and the first preset's budget; interrupted here, the JUnit is still written
@@ -73,6 +74,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         if per_preset > 0:
             note_campaign_keeps_nothing(fuzzer, target, err)
         for path in files:
+            replaying = path
             check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
             result.regressions.append(check)
             err.print(f"regression {check.name}: " + ("ok" if check.ok else f"FAILED: {check.problem}"),
@@ -94,7 +96,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
             print_replay_file(console, config, path, suppress_file)
             print_shipped_analysis(console, config, findings, path)
             print_report(console, config, program, findings, closing=False)
-    _print_table(console, result, files, preset_names if per_preset > 0 else [])
+    _print_table(console, result, files, preset_names if per_preset > 0 else [], replaying)
     ran = any(run.executions for run in result.fuzz)
     if sset is not None:  # the presets' campaigns matched; the job's set is the file's
         sset.add_usage(usage for run in result.fuzz for usage in run.suppression_usage)
@@ -183,14 +185,15 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
               + (f", {len(run.known)} known" if run.known else "")
               + ("; reached: " + reached_text(run.reached) if run.reached else "")
               + (f"; not reached: {', '.join(zero)} (not searched)" if zero and run.executions else ""),
-              soft_wrap=True)
+              soft_wrap=True, markup=False)  # (a path's name is any string: `evict[lru]` is no style)
     if run.interrupted:
         raise KeyboardInterrupt
 
 
-def _print_table(console, result, files: list[str], presets: list[str]) -> None:
+def _print_table(console, result, files: list[str], presets: list[str], replaying: str | None = None) -> None:
     """The job's table: a row per regression file and per preset fuzzed, and one per file or preset ``files`` and
-    ``presets`` (the job's) name that never started (an interrupt, a full disk), saying so."""
+    ``presets`` (the job's) name that never started (an interrupt, a full disk), saying so; ``replaying``, the file
+    whose replay began last, without its result: the interrupt cut it short."""
     t = Table(title="kvaudit ci", title_justify="left")
     t.add_column("check", overflow="fold")
     t.add_column("result", overflow="fold")
@@ -201,7 +204,8 @@ def _print_table(console, result, files: list[str], presets: list[str]) -> None:
     checked = {r.path for r in result.regressions}
     for path in files:
         if path not in checked:
-            t.add_row(f"regression {os.path.splitext(os.path.basename(path))[0]}", Text(why, style="yellow"))
+            t.add_row(f"regression {os.path.splitext(os.path.basename(path))[0]}",
+                      Text("interrupted while it was replayed" if path == replaying else why, style="yellow"))
     for run in result.fuzz:
         cut = " (interrupted)" if run.interrupted else ""
         t.add_row(f"fuzz {run.preset} ({run.seconds:.1f}s, {run.executions} executions){cut}",

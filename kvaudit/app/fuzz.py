@@ -470,8 +470,8 @@ def print_reached(console, stats) -> None:
     """``reached: name=count, ...``: what the programs reached (``Target.reach()`` summed), where the target
     counts paths; then, where some are at 0, ``not reached: name, ...``: paths no program took (not searched)."""
     if stats.reached:
-        console.print("reached: " + reached_text(stats.reached), soft_wrap=True)
+        console.print("reached: " + reached_text(stats.reached), soft_wrap=True, markup=False)  # (names: any string)
         zero = not_reached(stats.reached)
         if zero and stats.executions:
             console.print(f"not reached: {', '.join(zero)} (no program of the {stats.executions} took these paths: "
-                          "not searched)", soft_wrap=True)
+                          "not searched)", soft_wrap=True, markup=False)

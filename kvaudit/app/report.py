@@ -26,6 +26,9 @@ def run(file: str, outputs: Outputs) -> int:
     suppressed = doc.get("suppressed") or {}
     if not isinstance(suppressed, dict) or not all(isinstance(v, int) and v >= 0 for v in suppressed.values()):
         raise InputError(f'{file}: bad "suppressed": want an object of kind -> count')
+    for key, (fits, want) in _FACTS.items():  # the run facts the report files are made of (a --json's)
+        if key in doc and not fits(doc[key]):
+            raise InputError(f'{file}: bad "{key}": want {want}')
     console = make_console()
     cases = []
     for line in dict.fromkeys(replay.other_release(file, c, d) for c, _, _, d in loaded):
@@ -50,3 +53,21 @@ def run(file: str, outputs: Outputs) -> int:
                 recorded=data.recorded)
     write_reports(outputs, data, make_console(stderr=True))
     return EXIT_CLEAN
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _counts(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and _count(x) for k, x in v.items())
+
+
+#: a run fact of a report file (a ``--json``) that the report files format: key -> (does the value fit?, what it
+#: must be), as fuzz and ci write them (reached: ``Target.reach()`` summed; ci's per preset)
+_FACTS = {
+    "reached": (lambda v: _counts(v) or (isinstance(v, dict) and all(_counts(x) for x in v.values())),
+                "an object of path -> count (kvaudit ci's: preset -> path -> count)"),
+    "nothing_searched": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of presets"),
+    "seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),
+}

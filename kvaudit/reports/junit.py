@@ -78,7 +78,8 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     ``search_seed`` (the config's own ``seed`` is the engine's). ``skipped``: ``(name, message)`` of a skipped
     case for a run that did not check all it was asked to (``interrupted``: Ctrl-C or SIGTERM cut it short;
     ``nothing searched``: its budget ended before one program ran), which then has no passing ``clean_case``.
-    ``notes``: the clean case's ``<system-out>`` lines (what the programs reached: a clean run's scope)."""
+    ``notes``: the clean case's ``<system-out>`` lines (what the programs reached: a clean run's scope), or the
+    skipped case's (what the programs that ran reached)."""
     on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
     for f in findings:
@@ -115,4 +116,6 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     suite.extend(cases)
     if skipped is not None:  # what did not run is not a pass
         add_skipped(suite, skipped[1], name=skipped[0])
+        if notes:  # what the programs that ran reached (after <skipped>: JUnit's schema orders a case's children)
+            ET.SubElement(suite[-1], "system-out").text = xml_text("\n".join(notes) + "\n")
     return document(root)

@@ -307,12 +307,12 @@ def junit(result: CiResult) -> str:
             notes = ([f"{len(still)} known finding(s) still open: " + ", ".join(still)] if still else []) + (
                 ["interrupted before its budget was spent"] if run.interrupted else []) + ci_outputs.reach_lines(
                 run.reached, bool(run.executions))
-            if notes:
-                ET.SubElement(case, "system-out").text = xml_text("\n".join(notes) + "\n")
             if run.nothing_searched:  # nothing was checked: not a pass
                 ET.SubElement(case, "skipped", message=NOTHING_SEARCHED)
             elif run.interrupted:  # its share was cut short: what ran found nothing new, which is not a pass
                 ET.SubElement(case, "skipped", message="interrupted before the preset's share of --max-time ended")
+            if notes:  # (after <skipped>: JUnit's schema orders a case's children skipped, ..., system-out)
+                ET.SubElement(case, "system-out").text = xml_text("\n".join(notes) + "\n")
         for f, path in run.new_signatures().values():  # a case per new signature
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}", name=xml_text(f.signature),
                                  time=f"{run.found_after.get(f.signature, run.seconds):.2f}")

@@ -592,6 +592,9 @@ def _read_rules(pools: dict) -> dict:
     def by_name(v):
         return isinstance(v, dict) and all(isinstance(k, str) and _int(x) for k, x in v.items())
 
+    def per_unit_text(v):
+        return v is None or isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
+
     def finding(t):  # (units: any integer array-like, or none: the oracle reads them with np.asarray)
         if not (isinstance(t, TargetFinding) and t.pool in pools):
             return False
@@ -615,6 +618,8 @@ def _read_rules(pools: dict) -> dict:
         "describe_busy": (lambda v: isinstance(v, str), "a string"),
         "stuck": (lambda v: isinstance(v, str), "a string"),
         "crash_by": (lambda v: isinstance(v, str), "a string"),  # (the finding's check: a replay file reads a string)
+        "lost_by": (per_unit_text, "None or a list of strings (one per unit)"),  # (a signature's part, as crash_by)
+        "freed_by": (per_unit_text, "None or a list of strings (one per unit)"),
         "dropped_by": (lambda v: v is None or isinstance(v, str), "a string or None"),  # (the check's last part)
     }
 
