@@ -684,6 +684,24 @@ def test_a_slot_freed_under_its_reader_and_rewritten_since_is_not_unwritten():
     assert stale == {"stale-kv/token_to_kv_pool/freed:release@radix_cache.py"}, stale
 
 
+
+# aborted-kv-inserted on hicache (the bug's preset is overlap): the aborted request's unwritten position 10, cached in
+# the tree, demoted to host and loaded back into another slot; req 10 reads it there
+ABORTED_KV_LOADED_BACK = [Submit(0, 1, 1), Submit(0, 1, 1), Submit(0, 10, 1), Submit(0, 10, 4), Idle(), Submit(1, 48, 1),
+                          Submit(0, 1, 1), Abort(None), Submit(2, 9, 3), Submit(0, 12, 2, extends=4), Step(2), Abort(0),
+                          Submit(0, 42, 3), Submit(0, 12, 1, extends=7), Submit(0, 1, 1, extends=6), Idle()]
+
+
+@pytest.mark.xfail(strict=True, reason="open (tb66; so at 8f16904): a copy carries a slot's tag, not that its "
+                   "content was never written there; the loaded-back slot's read is named by its own last free")
+def test_an_unwritten_position_loaded_back_from_host_is_still_unwritten():
+    """The copy back from host writes the old tenant's tag into a slot last freed by a demote of another node:
+    the read is `freed:demote@hicache.py`, radix-lock-skips-matched-node's stale read on hicache (a collision;
+    4 of 150 random programs at 8f16904, 3 of 150 now)."""
+    config = get_preset("hicache").config(bugs=frozenset({"aborted-kv-inserted"}))
+    found = execute(config, ABORTED_KV_LOADED_BACK).signatures
+    assert found and all(s.endswith("/unwritten") for s in found if s.startswith("stale-kv")), found
+
 # one bug, another signature (a split: a campaign files the known bug again)
 SPLITS = {  # (pd-abort-after-transfer-leak's and radix-lock-skips-matched-node's: fixed, in FOUND)
     # the leaked row's units were last freed by another request's checkpoint (a duplicate prefix freed in
