@@ -392,6 +392,14 @@ class ReportsPastThePool(ReadsUnwritten):
         return slots + self.config.size
 
 
+class ReportsNoTags(ReadsUnwritten):
+    """Reports the tags its reader wanted (report's optional 4th argument, tb66), none for its slots: without the
+    count check, an IndexError in the auditor."""
+
+    def install_shadow(self, shadow, wrap, report):
+        super().install_shadow(shadow, wrap, lambda pool, slots, message: report(pool, slots, message, []))
+
+
 BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but its RowPool has no available_size()'),
        "misspelt-kind": (MisspeltKind, 'pool "rows" declares kind "row"; the pool kinds are kv, rows, blocks'),
        "blocks-without-install": (BlocksWithoutInstall, 'pool "rows" is a "blocks" pool, which has no standard '
@@ -415,6 +423,8 @@ BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but it
        "report-past-the-pool": (ReportsPastThePool, "ReportsPastThePool.install_shadow's report(pool, slots, message) "
                                                     "takes a pool of kv_pools() (rows) and the token slots read wrong, "
                                                     "integers in [0, its size), got \"rows\" and [49"),
+       "report-no-tags": (ReportsNoTags, "ReportsNoTags.install_shadow's report(pool, slots, message, expected) takes "
+                                         "one tag per slot in expected, got 0 for "),
        }
 
 
@@ -429,7 +439,8 @@ def badtoy():
 
 
 @pytest.mark.parametrize("preset", [p for p in BAD if p not in ("undeclared-root-pool", "reads-unwritten",
-                                                                 "report-of-an-undeclared-pool", "report-past-the-pool")])
+                                                                 "report-of-an-undeclared-pool", "report-past-the-pool",
+                                                                 "report-no-tags")])
 def test_a_targets_declaration_mistake_is_one_line_exit_2_naming_the_kind(preset, badtoy, tmp_path):
     """KvKindOnRows was 'Engine crash: AttributeError: 'RowPool' object has no attribute
     'available_size'', blamed on the engine's own alloc line, exit 1."""
@@ -451,7 +462,7 @@ def test_a_shadow_reports_a_stale_read_with_its_slots_as_any_integer_sequence(ba
     assert "Engine crash" not in r.output, r.output
     # a report naming a pool the shadow does not cover was 'Engine crash: KeyError: 'kv'', one of slots past the
     # pool 'Engine crash: IndexError', exit 1 both
-    for preset in ("report-of-an-undeclared-pool", "report-past-the-pool"):
+    for preset in ("report-of-an-undeclared-pool", "report-past-the-pool", "report-no-tags"):
         r = invoke("fuzz", "--target", "badtoy", "--preset", preset, "--fuzzer", "random", "--max-time", "5",
                    "--out", str(tmp_path / preset))
         assert r.exit_code == 2, r.output + r.stderr

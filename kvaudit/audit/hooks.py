@@ -393,6 +393,7 @@ class Auditor(Ledger, PoolWrappers):
         # (a copy per free; only a report reads it, to tell a stale read's cause: _stale_kv)
         self.tags_at_free = {p: np.zeros_like(t) for p, t in self.shadow.tags.items()
                              if p in self.ledgers and self.ledgers[p].refs is None}
+        self.freed_tags: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # free event id -> (its slots, their tags)
         self.on_free = self._on_free_keeping_tags  # (the wrappers read self.on_free at each call)
 
     def _on_free_keeping_tags(self, pool: str, units, sid: int) -> None:
@@ -404,16 +405,33 @@ class Auditor(Ledger, PoolWrappers):
             s = (u[:, None] * ps + np.arange(ps)).reshape(-1) if ps > 1 else u
             s = s[(s >= 0) & (s < kept.size)]
             kept[s] = self.shadow.tags[pool][s]
+            self.freed_tags[len(self.events)] = (s, kept[s])  # (the id Ledger.on_free gives its event)
         Ledger.on_free(self, pool, units, sid)
 
-    def _stale_kv(self, pool: str, slots, message: str) -> None:
-        # report(pool, slots, message), called by the target's install_shadow: slots any integer array-like
+    def _freed_what_was_wanted(self, pool: str, slots: np.ndarray, wanted: np.ndarray) -> int:
+        # the latest free (event id) of ``pool`` at which one of ``slots`` held the tag its reader wanted there
+        # (``wanted``, one per slot), -1 for none: that free took the reader's content
+        want = dict(zip(slots.tolist(), wanted.tolist()))
+        for eid in reversed(list(self.freed_tags)):  # (ids ascending, as the frees came)
+            freed, tags = self.freed_tags[eid]
+            hit = np.isin(freed, slots)
+            if hit.any() and self.events[eid].pool == pool and any(
+                    want[s] == t for s, t in zip(freed[hit].tolist(), tags[hit].tolist())):
+                return eid
+        return -1
+
+    def _stale_kv(self, pool: str, slots, message: str, expected=None) -> None:
+        # report(pool, slots, message[, expected]), called by the target's install_shadow: slots any integer
+        # array-like; expected (optional) the tags the reader wanted there, one per slot
         slots = np.asarray(slots.cpu() if isinstance(slots, torch.Tensor) else slots).ravel()
         n = self.shadow.tags[pool].size if pool in self.shadow.tags else 0
         if not (n and slots.size and slots.dtype.kind in "iu" and 0 <= slots.min() and slots.max() < n):
             raise TargetDefinitionError(f"{self._shadow_by}'s report(pool, slots, message) takes a pool of kv_pools() "
                                         f"({', '.join(self.shadow.tags)}) and the token slots read wrong, integers "
                                         f"in [0, its size), got {json_value(pool)} and {json_value(slots.tolist(), 80)}")
+        if expected is not None and np.size(expected) != slots.size:
+            raise TargetDefinitionError(f"{self._shadow_by}'s report(pool, slots, message, expected) takes one tag "
+                                        f"per slot in expected, got {np.size(expected)} for {slots.size} slots")
         slots = slots.astype(np.int64, copy=False)
         led = self.ledgers[pool]
         ps = led.spec.page_size
@@ -422,18 +440,23 @@ class Auditor(Ledger, PoolWrappers):
             f.slots = sorted(set(slots.tolist()))
         f.read_sites = self.site(self.capture_site())
         # the cause, for the signature (docs/internals/audit.md, shadow KV tags)
-        written = slots[self.shadow.tags[pool][slots] != 0] if self.shadow is not None else slots[:0]
-        kept = self.tags_at_free.get(pool)
+        has = self.shadow.tags[pool][slots] != 0 if self.shadow is not None else np.zeros(slots.size, dtype=bool)
+        written = slots[has]
+        kept, ev = self.tags_at_free.get(pool), -1
         if kept is not None and written.size:
             # a slot allocated since its last free that still holds the tag it held at that free was not
             # written by that allocation: the free did not make the mismatch, the content is older than it
-            # (an unwritten slot handed on, e.g. an aborted request's decode slot cached in the tree)
+            # (an unwritten slot handed on, e.g. an aborted request's decode slot cached in the tree) -- unless
+            # an earlier free took the content the reader wanted (it was rewritten and freed again since)
             u = written // ps
             fresh = (led.allocated[u] & (led.last_alloc[u] > led.last_free[u]) & (led.last_free[u] >= 0)
                      & (self.shadow.tags[pool][written] == kept[written]))
+            if fresh.any() and expected is not None:
+                wanted = np.asarray(expected, dtype=np.int64).ravel()[has]
+                ev = self._freed_what_was_wanted(pool, written[fresh], wanted[fresh])
             written = written[~fresh]
-        if written.size:
-            ev = int(led.last_free[written[0] // ps])
+        if written.size or ev >= 0:
+            ev = int(led.last_free[written[0] // ps]) if written.size else ev
             f.check = "freed" if ev >= 0 else "overwritten"
             if ev >= 0:
                 f.free_sites = self.site(self.events[ev].site)

@@ -273,8 +273,10 @@ class Target:
         empty): tell ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`) each write of token slots
         (``shadow.write(pool, slots, tags)``, the tags of the writer's prefixes from
         ``shadow.request_tags(request, prompt, output)``), check each read (``shadow.read(pool, slots,
-        tags)``) and call ``report(pool, slots, message)`` with the slots a read found wrong; ``wrap(obj,
-        name, fn)`` replaces an engine method, as for :meth:`install_pool`. Default: nothing."""
+        tags)``) and call ``report(pool, slots, message)`` with the slots a read found wrong (optionally
+        ``report(pool, slots, message, expected)``: the tags the reader wanted there, one per slot, which tell a
+        slot freed under its reader and rewritten since from one never written: docs/internals/audit.md);
+        ``wrap(obj, name, fn)`` replaces an engine method, as for :meth:`install_pool`. Default: nothing."""
 
     def crash_cause(self) -> TargetFinding | None:
         """After the engine raised: one of the target's own invariants the state now breaks, naming the

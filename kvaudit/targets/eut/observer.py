@@ -69,7 +69,7 @@ class EutObserver(Target):
             if hit is not None:
                 bad, what = hit
                 at = bad if pos is None else pos[bad]
-                report(pool, idx[bad], f"req:{req.rid} read KV of positions {_ranges(at)} from slots {what}")
+                report(pool, idx[bad], f"req:{req.rid} read KV of positions {_ranges(at)} from slots {what}", want[bad])
 
         def forward_wrapper(req, start, end, write_loc):
             """HiSparse (a per-request physical context) or a KV table on the GPU: one forward at a time."""
