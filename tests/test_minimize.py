@@ -277,3 +277,79 @@ def test_a_slow_step_the_probe_took_for_the_hang_sends_minimization_back_to_the_
     probed = limits.index(0.2)
     assert limits[-1] is None and None in limits[probed:-1], limits  # candidates again under the user's limit
     assert reproduces(config, small, sig), small
+
+
+def test_ctrl_c_at_the_recheck_under_the_users_limit_writes_the_input_where_the_probes_result_does_not_reproduce(
+        tmp_path, monkeypatch):
+    """tb66: Ctrl-C while a watchdog hang's candidates ran under the probe's limit (here: at the re-check of its
+    result) wrote nothing ("... did not reproduce ...: nothing written", exit 130) where that result only hung
+    because the probe cut a slow step short, though the input reproduced. The last program that reproduced under
+    the user's limit (here the input) is written instead."""
+    from cli_helpers import invoke
+
+    from kvaudit import replay
+    from kvaudit.search import minimize as minimize_mod
+
+    limits = _stuck_engine(monkeypatch, slow=0.5)
+    config = get_preset("default").config()
+    findings = execute(config, HANG_PROGRAM, full_stacks=False).findings
+    spied = minimize_mod.execute
+
+    def ctrl_c_at_the_recheck(*args, **kwargs):
+        if kwargs.get("step_limit") is None and 0.2 in limits:  # the first run under the user's after the probe's
+            raise KeyboardInterrupt
+        return spied(*args, **kwargs)
+
+    monkeypatch.setattr(minimize_mod, "execute", ctrl_c_at_the_recheck)
+    src, out = str(tmp_path / "hang.json"), tmp_path / "hang.min.json"
+    replay.write_atomic(src, replay.to_doc(config, HANG_PROGRAM, findings))
+    limits.clear()
+    r = invoke("minimize", src, "-o", str(out))
+    assert r.exit_code == 130, r.output
+    assert out.exists(), r.stderr
+    _, small, written, doc = replay.load(str(out))
+    assert small == HANG_PROGRAM and written[0].signature == findings[0].signature, r.stderr
+    assert doc["minimized"] is False
+
+
+def _hang_minimized(monkeypatch, slow: float, on_run=None):
+    """(the run limits of minimizing HANG_PROGRAM on :func:`_stuck_engine`, its signature, its result)."""
+    limits = _stuck_engine(monkeypatch, slow=slow)
+    config = get_preset("default").config()
+    sig = execute(config, HANG_PROGRAM, full_stacks=False).signatures[0]
+    limits.clear()
+    small = minimize(config, HANG_PROGRAM, sig, on_run=on_run and (lambda runs, n: on_run(runs, len(limits))))
+    return limits, sig, small
+
+
+@pytest.mark.parametrize("slow", [0.0, 0.5], ids=["recheck-reproduces", "recheck-fails-and-restarts"])
+def test_the_recheck_under_the_users_limit_is_a_run(monkeypatch, slow):
+    """tb66: the re-check of a watchdog hang's result under the user's limit was not reported to ``on_run``:
+    it is a run (an ``on_run`` follows it), and where it fails the restart under the user's limit counts on
+    (its cleared cache made ``runs`` start again from 1)."""
+    reported = []
+    limits, _, small = _hang_minimized(monkeypatch, slow, on_run=lambda runs, ran: reported.append((runs, ran)))
+    assert limits[-1] is None and 0.2 in limits and small != HANG_PROGRAM, limits
+    at_the_recheck = limits.index(None, 1) + 1  # the runs up to the re-check's (the first None after the input)
+    assert at_the_recheck in [ran for _, ran in reported], (reported, limits)  # an on_run after it
+    assert [runs for runs, _ in reported] == list(range(1, len(reported) + 1)), reported
+
+
+def test_the_recheck_under_the_users_limit_does_not_start_past_until(monkeypatch):
+    """tb66: the re-check of a watchdog hang's result under the user's limit started past ``until``. It does
+    not: OutOfTime carries the program last checked under the user's limit (the input)."""
+    import time as real_time
+    from types import SimpleNamespace
+
+    from kvaudit.search import minimize as minimize_mod
+    from kvaudit.search.minimize import OutOfTime
+
+    limits, sig, small = _hang_minimized(monkeypatch, 0.0)
+    assert limits[-1] is None and 0.2 in limits and small != HANG_PROGRAM, limits
+    config, probes = get_preset("default").config(), len(limits) - 1  # the runs before the re-check
+    limits.clear()
+    clock = SimpleNamespace(monotonic=lambda: real_time.monotonic() + (1e6 if len(limits) >= probes else 0.0))
+    monkeypatch.setattr(minimize_mod, "time", clock)
+    with pytest.raises(OutOfTime) as caught:
+        minimize(config, HANG_PROGRAM, sig, until=real_time.monotonic() + 1e5)
+    assert len(limits) == probes and caught.value.smallest == HANG_PROGRAM, limits

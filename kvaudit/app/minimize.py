@@ -53,9 +53,10 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
         err.print(f"{shown_path(file)}: {signature} does not reproduce", soft_wrap=True)
         return _nothing(console, EXIT_NOT_REPRODUCED)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
-        smallest = small if small is not None else e.smallest if isinstance(e, Interrupted) else None
+        smallest, checked = (small, small) if small is not None else \
+            (e.smallest, e.checked) if isinstance(e, Interrupted) else (None, None)
         return _write_interrupted(config, program, smallest, signature, file, out_file, fresh(), console, err,
-                                  found_by)
+                                  found_by, checked=checked)
     if confirmations < CONFIRM_RUNS:
         err.print(f"the minimized program reproduces {signature} only {confirmations}/{CONFIRM_RUNS} times; "
                   "nothing written", soft_wrap=True)
@@ -75,13 +76,24 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
 
 
 def _write_interrupted(config, program, smallest, signature, file, out_file, suppressions, console, err,
-                       found_by: dict) -> int:
+                       found_by: dict, checked=None) -> int:
+    """``checked``: the smallest program that reproduced under the user's step limit, replayed where
+    ``smallest`` (a watchdog hang's, found under the probe's limit) does not reproduce under it."""
     ignore_interrupts(clear=True)  # the replay below runs ops
     if smallest is None:
         err.print("interrupted before the program reproduced: nothing written")
         return _nothing(console, EXIT_INTERRUPTED)
-    with OpProgress(err, "replaying the smallest program so far", len(smallest)) as progress:
-        final = execute(config, smallest, suppressions=suppressions, drain=True, on_op=progress)
+
+    def replayed(ops):
+        with OpProgress(err, "replaying the smallest program so far", len(ops)) as progress:
+            return execute(config, ops, suppressions=suppressions, drain=True, on_op=progress)
+
+    final = replayed(smallest)
+    if signature not in final.signatures and checked is not None and checked != smallest:
+        err.print(f"the smallest program so far ({len(smallest)} ops) did not reproduce {signature} under the "
+                  f"step limit; replaying the smallest that did ({len(checked)} ops)", soft_wrap=True)
+        smallest = checked
+        final = replayed(smallest)
     findings = sorted(final.findings, key=lambda f: f.signature != signature)
     if signature not in final.signatures:
         err.print(f"interrupted; the smallest program so far ({len(smallest)} ops) did not reproduce {signature} "

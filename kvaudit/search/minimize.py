@@ -147,16 +147,19 @@ def simplify_round(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]
 
 class Interrupted(KeyboardInterrupt):
     """A Ctrl-C (or SIGTERM) during :func:`minimize`. ``smallest``: the smallest program that reproduced the
-    signature so far (fewest ops; the latest of equal length), or None if the input had not yet reproduced."""
+    signature so far (fewest ops; the latest of equal length), or None if the input had not yet reproduced.
+    ``checked``: the smallest that reproduced it under the user's step limit (at least the input; None before
+    it reproduced): ``smallest`` itself except while a watchdog hang's candidates run under :func:`probe_limit`'s."""
 
-    def __init__(self, smallest: list[Op] | None):
+    def __init__(self, smallest: list[Op] | None, checked: list[Op] | None = None):
         super().__init__()
         self.smallest = smallest
+        self.checked = smallest if checked is None else checked
 
 
 class OutOfTime(Exception):
     """:func:`minimize` reached its ``until``. ``smallest``: the smallest program that reproduced the signature
-    (it always has one: the input runs first whatever the time)."""
+    under the user's step limit (it always has one: the input runs first whatever the time)."""
 
     def __init__(self, smallest: list[Op]):
         super().__init__()
@@ -181,10 +184,24 @@ def minimize(config: TargetConfig, program: list[Op], signature: str, suppressio
     (the input's length until one reproduced). Raises ``ValueError`` if ``program`` does not reproduce it,
     :class:`OutOfTime` past ``until`` and :class:`Interrupted` when interrupted (both with the smallest program
     so far). A watchdog hang's candidates run under :func:`probe_limit`'s limit; its result is run again under
-    the user's, and where it does not reproduce there, minimization starts again under the user's limit."""
+    the user's (a run: counted by ``on_run``, not started past ``until``), and where it does not reproduce
+    there, minimization starts again under the user's limit. Until that run, :class:`OutOfTime` carries the
+    smallest program checked under the user's limit (the input) and :class:`Interrupted` both."""
     cache: dict[tuple, bool] = {}
+    runs = 0  # (not len(cache): the re-check under the user's limit is a run, and a restart clears the cache)
     smallest: list[Op] | None = None  # NOTE: every pass moves only to programs that fail: the latest is the best
+    checked: list[Op] | None = None  # the smallest that reproduced under the user's limit (while probing: the input)
     limit: float | None = None  # a candidate's step limit (None: the user's)
+
+    def in_time() -> None:
+        if checked is not None and until is not None and time.monotonic() > until:
+            raise OutOfTime(checked)
+
+    def counted() -> None:
+        nonlocal runs
+        runs += 1
+        if on_run is not None:
+            on_run(runs, len(smallest if smallest is not None else program))
 
     def run(ops: list[Op]) -> bool:
         nonlocal limit
@@ -197,24 +214,34 @@ def minimize(config: TargetConfig, program: list[Op], signature: str, suppressio
         return found
 
     def fails(ops: list[Op]) -> bool:
-        nonlocal smallest
+        nonlocal smallest, checked
         key = tuple(ops)
-        ran = key not in cache
+        ran, users = key not in cache, limit is None  # (a cached result: the input's, or one under this limit)
         if ran:
-            if smallest is not None and until is not None and time.monotonic() > until:
-                raise OutOfTime(smallest)
+            in_time()
             cache[key] = bool(ops) and run(ops)
         if cache[key] and (smallest is None or len(ops) <= len(smallest)):
             smallest = list(ops)
-        if ran and on_run is not None:
-            on_run(len(cache), len(smallest if smallest is not None else program))
+            if users:
+                checked = smallest
+        if ran:
+            counted()
         return cache[key]
+
+    def reproduces_under_the_users_limit(ops: list[Op]) -> bool:
+        nonlocal checked
+        in_time()
+        found = reproduces(config, ops, signature, suppressions)
+        if found:
+            checked = list(ops)
+        counted()
+        return found
 
     try:
         if not fails(list(program)):
             raise ValueError(f"program does not reproduce {signature}")
         ops = _passes(list(program), fails)
-        if limit is not None and ops != program and not reproduces(config, ops, signature, suppressions):
+        if limit is not None and ops != program and not reproduces_under_the_users_limit(ops):
             # NOTE: the probe's limit cut a slow step short somewhere: nothing it decided stands
             limit, smallest = None, list(program)
             cache.clear()
@@ -224,4 +251,4 @@ def minimize(config: TargetConfig, program: list[Op], signature: str, suppressio
     except (Interrupted, OutOfTime):
         raise
     except KeyboardInterrupt:
-        raise Interrupted(smallest) from None
+        raise Interrupted(smallest, checked) from None
