@@ -1138,6 +1138,25 @@ def test_ci_regressions_given_a_file_is_one_wording_with_or_without_its_slash(tm
     assert "Directory" not in lines[0] and "PATH: a file, not a folder: it takes a folder of replay files" in lines[0]
 
 
+@pytest.mark.parametrize("args, flag", [(["fuzz", "--max-time", "1"], "--out"), (["fuzz", "--max-time", "1"], "--corpus"),
+                                        (["ci", "--max-time", "1"], "--out"), (["ci", "--max-time", "1"], "--corpus"),
+                                        (["ci", "--max-time", "0"], "--out")])
+def test_an_output_folder_given_a_file_is_one_wording_with_or_without_its_slash(tmp_path, args, flag):
+    """Tester 66: fuzz/ci --out FILE and --corpus FILE got click's words ("Directory 'X' is a file."), FILE/ kvaudit's
+    ('--out X/: not a directory'); ci --max-time 0 refused FILE and took FILE/. One check, one wording, exit 2."""
+    path = tmp_path / "file"
+    path.write_text("kept")
+    regressions = ["--regressions", os.path.join(ROOT, "corpora", "regressions")] if args[0] == "ci" else []
+    lines = []
+    for given in (str(path), str(path) + os.sep):
+        r = invoke(*args, *regressions, flag, given)
+        assert r.exit_code == 2, r.output
+        lines.append(one_error_line(r).replace(given, "PATH"))
+    assert lines[0] == lines[1], lines
+    assert "Directory" not in lines[0] and "PATH: not a directory" in lines[0], lines
+    assert path.read_text() == "kept"
+
+
 def test_ci_over_a_kind_without_regressions_says_so_in_words(tmp_path, fresh_registry):
     """It said 'kvaudit ci: 0 regression file(s) in (none for this target)'."""
     import rowtoy_plugin  # (registers the kind "rowtoy", which ships no regressions, when first imported)
