@@ -644,6 +644,32 @@ def test_minimize_refuses_an_empty_output_name_as_every_output_flag_does(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["good.json"]
 
 
+def test_minimize_of_a_pipe_without_o_says_to_pass_o(tmp_path):
+    """Tester 66: `kvaudit minimize <(cat F)` said '--output /dev/fd/63.min.json: cannot write in /proc/N/fd: No
+    such file or directory': the default output is named after FILE, and a pipe's path names no folder to write
+    in. Now one line says FILE is not a regular file's path and to pass -o (exit 2); with -o it runs."""
+    text = open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json"), "rb").read()
+    opened = []
+
+    def pipe_path() -> str:
+        read, write = os.pipe()
+        opened.append(read)
+        os.write(write, text)  # (it fits the pipe's buffer)
+        os.close(write)
+        return f"/dev/fd/{read}"
+
+    path = pipe_path()
+    r = invoke("minimize", path)
+    assert r.exit_code == 2, r.output
+    assert one_error_line(r) == (f"kvaudit: error: {path}: not a regular file's path (a pipe or a device): the "
+                                 "default output is named after FILE; pass -o OUT")
+    r = invoke("minimize", pipe_path(), "-o", str(tmp_path / "small.json"))
+    assert r.exit_code == 0, r.output
+    assert os.listdir(tmp_path) == ["small.json"]
+    for fd in opened:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("suite", ["zoo", "history"])
 @pytest.mark.parametrize("option", ["--out", "--json"])
 def test_bench_refuses_an_empty_report_name_instead_of_writing_the_default(suite, option, tmp_path, monkeypatch):
