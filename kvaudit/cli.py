@@ -386,7 +386,9 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     config = select_config(preset, bugs, model, device, page_size, target, tree_core)  # imports the engine
     return job.run(config, checked, fuzzer=checked.fuzzer, budget=budget, seed=seed, out_dir=out_dir,
                    workers=workers, corpus_dir=corpus_dir, use_seeds=use_seeds, suppress_file=suppress_file,
-                   step_timeout=step_timeout, outputs=outputs, db=db_url, campaign_name=campaign_name)
+                   step_timeout=step_timeout, outputs=outputs, db=db_url, campaign_name=campaign_name,
+                   seeds_given=click.get_current_context().get_parameter_source("use_seeds")
+                   is click.core.ParameterSource.COMMANDLINE)
 
 
 @main.command("replay")

@@ -998,6 +998,7 @@ def test_replay_update_refuses_a_file_descriptor_s_link_before_replaying_any(tmp
 @pytest.mark.parametrize("flags, warning", [
     (["--campaign", "nightly"], "warning: --campaign nightly names a campaign shared through --db"),
     (["--no-seeds"], "warning: --no-seeds applies to --fuzzer atheris"),
+    (["--seeds"], "warning: --seeds applies to --fuzzer atheris"),  # (tester 66: no warning)
 ])
 def test_a_flag_that_does_nothing_here_is_a_warning(flags, warning, tmp_path):
     r = invoke("fuzz", *flags, "--fuzzer", "random", "--max-time", "0.5", "--out", str(tmp_path))
