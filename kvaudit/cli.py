@@ -20,7 +20,7 @@ from kvaudit.app.budget import Budget, check_seconds
 from kvaudit.app.configs import (FuzzerChoice, TargetChoice, bugs_renderables, check_plugins, common_options,
                                  presets_table, replay_tree_core_option, select_config)
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
-from kvaudit.app.files import check_outputs, folder_problem
+from kvaudit.app.files import check_outputs, folder_problem, out_folder_problem
 from kvaudit.app.interrupts import end_startup_interrupt, restoring_sigint
 from kvaudit.config import json_value
 from kvaudit.constants import (CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, WATCHDOG_IDLE_POLL,
@@ -200,6 +200,16 @@ def _folder(ctx, param, value):
     return value
 
 
+def _out_folder(ctx, param, value):
+    """An output directory (``fuzz``/``ci`` ``--out``, ``--corpus``): a file there, named with or without a trailing
+    slash, is one usage error in kvaudit's words, with or without a search budget (click's own check said
+    ``Directory 'X' is a file.`` of the first only; app.files.check_dir said ``--out X/: not a directory``)."""
+    what = None if value is None else out_folder_problem(value)
+    if what is not None:
+        raise click.BadParameter(f"{value}: {what}", param=param)
+    return value
+
+
 def _campaign_name(ctx, param, value):
     from kvaudit.search.hub import check_campaign_name
 
@@ -321,7 +331,8 @@ def parses(args: list[str]) -> bool:
                    "campaign worker's after its own; triage of a finding comes after.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed (0 or more); the same seed gives the same search.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
+@click.option("--out", "out_dir", type=click.Path(), default="kvaudit-out", show_default=True, metavar="DIRECTORY",
+              callback=_out_folder,
               help="Directory for replay files of findings (made when one is written; a replay file of the "
                    "same target kind and signature already there is replaced by the new one, any other file "
                    "of its name is left as it is and the new one takes the next free <name>.<n>.json; "
@@ -329,7 +340,7 @@ def parses(args: list[str]) -> bool:
                    "libFuzzer's work directory and corpus in DIR/.atheris).")
 @click.option("--workers", type=click.IntRange(min=1, max=256), default=1, show_default=True,
               help="Worker processes (atheris: libFuzzer -fork=N). More than 1 runs a campaign.")
-@click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+@click.option("--corpus", "corpus_dir", type=click.Path(), default=None, metavar="DIR", callback=_out_folder,
               help="Run a resumable campaign over DIR (corpus, example database, findings): search the whole "
                    "budget, report each new signature once, skip those DIR already holds.")
 @click.option("--db", "db_url", default=None, metavar="URL",
@@ -375,7 +386,9 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     config = select_config(preset, bugs, model, device, page_size, target, tree_core)  # imports the engine
     return job.run(config, checked, fuzzer=checked.fuzzer, budget=budget, seed=seed, out_dir=out_dir,
                    workers=workers, corpus_dir=corpus_dir, use_seeds=use_seeds, suppress_file=suppress_file,
-                   step_timeout=step_timeout, outputs=outputs, db=db_url, campaign_name=campaign_name)
+                   step_timeout=step_timeout, outputs=outputs, db=db_url, campaign_name=campaign_name,
+                   seeds_given=click.get_current_context().get_parameter_source("use_seeds")
+                   is click.core.ParameterSource.COMMANDLINE)
 
 
 @main.command("replay")
@@ -450,7 +463,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
               help="Replay files that must still reproduce (and be clean when their switches are off) "
                    "[default: the regression corpus the --target kind ships, ./corpora/regressions for the "
                    "built-in engine (docs/guides/ci.md lists each kind's); a kind that ships none needs this option].")
-@click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+@click.option("--corpus", "corpus_dir", type=click.Path(), default=None, metavar="DIR", callback=_out_folder,
               help="Keep a campaign corpus per preset in DIR/<preset> between runs (nightly): known findings "
                    "are not new.")
 @click.option("--db", "db_url", default=None, metavar="URL",
@@ -459,7 +472,8 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
 @click.option("--campaign", "campaign_name", default="default", show_default=True, metavar="NAME",
               callback=_campaign_name,
               help="With --db: the campaigns' name prefix in Redis.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-ci-out", show_default=True,
+@click.option("--out", "out_dir", type=click.Path(), default="kvaudit-ci-out", show_default=True,
+              metavar="DIRECTORY", callback=_out_folder,
               help="Directory for the replay files of new findings (made when one is written).")
 @_suppress_option
 @_step_timeout_option

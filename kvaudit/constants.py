@@ -13,6 +13,21 @@ DEFAULT_STEP_TIMEOUT = 10.0  # kvaudit.audit.runner: seconds an engine step may 
 # kvaudit.audit.runner: how often the watchdog looks for an armed step while none is (a step it has not seen yet
 # can run this long): the least --step-timeout it honours
 WATCHDOG_IDLE_POLL = 0.2
+MAX_SECONDS = 365 * 24 * 3600.0  # a year: past it a budget is a typo (1e308), not a plan; Ctrl-C ends a search early
+
+
+def check_at_most_a_year(value) -> float:
+    """``value`` (a number, not NaN) as a float when at most :data:`MAX_SECONDS`; an int past a float's range
+    (``10**400``) is too long, not an ``OverflowError``. Raises ``ValueError`` with the reason (``--max-time``,
+    ``--step-timeout`` and :func:`kvaudit.testing.fuzz`'s ``step_timeout`` say the same)."""
+    try:
+        seconds, shown = float(value), f"{value:.15g}"
+    except OverflowError:
+        seconds, shown = (float("inf") if value > 0 else float("-inf")), "an integer past a float's range"
+    if seconds > MAX_SECONDS:
+        raise ValueError(f"must be at most {MAX_SECONDS:.0f} seconds (365d), got {shown}; "
+                         "Ctrl-C or SIGTERM ends a run early and keeps what it found")
+    return seconds
 
 
 def check_step_timeout(value) -> float:
@@ -26,7 +41,7 @@ def check_step_timeout(value) -> float:
     if value < WATCHDOG_IDLE_POLL:  # (1e-300 was taken: every step a hang, or none)
         raise ValueError(f"must be at least {WATCHDOG_IDLE_POLL:g} seconds (how often the watchdog looks for a step "
                          f"that started: a shorter limit cannot be kept), got {value:.15g}")
-    return float(value)
+    return check_at_most_a_year(value)  # (as --step-timeout's: 1e300 was taken, 10**400 raised OverflowError)
 EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: a program kvaudit needs (atheris) is not installed here
 MISSING_ATHERIS = ("atheris is not installed here ('pip install atheris': it has wheels for Linux x86-64 only; "
                    "elsewhere it builds from source and needs clang with libFuzzer, "

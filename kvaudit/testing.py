@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvaudit.config import json_value
-from kvaudit.constants import DEFAULT_FUZZER, check_step_timeout
+from kvaudit.constants import DEFAULT_FUZZER, check_at_most_a_year, check_step_timeout
 
 
 class KvauditFailure(AssertionError):
@@ -74,13 +74,18 @@ def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZ
     finding as ``kvaudit fuzz`` does; a flaky one is passed over. ``step_timeout``: the watchdog's limit on
     one engine step (seconds, at least ``WATCHDOG_IDLE_POLL``), for this call only; by default ``kvaudit
     fuzz``'s for ``max_time`` (:func:`kvaudit.audit.runner.fuzz_step_timeout`). Raises ``ValueError`` for an
-    unknown or out-of-process fuzzer (atheris), a ``max_time`` that is not a finite number > 0 and a
-    ``step_timeout`` below that least."""
+    unknown or out-of-process fuzzer (atheris), a ``max_time`` that is not a finite number > 0, a ``step_timeout``
+    below that least, and either past a year (``MAX_SECONDS``, as ``--max-time`` and ``--step-timeout``)."""
     from kvaudit.audit import runner
     from kvaudit.search import fuzzers
 
-    if not (isinstance(max_time, (int, float)) and math.isfinite(max_time) and max_time > 0):
+    if not (isinstance(max_time, (int, float)) and max_time - max_time == 0 and max_time > 0):  # (math.isfinite:
+        # 10**400 raised OverflowError)
         raise ValueError(f"max_time must be a finite number of seconds > 0, got {json_value(max_time, 60)}")
+    try:
+        check_at_most_a_year(max_time)  # (as --max-time)
+    except ValueError as e:
+        raise ValueError(f"max_time {e}") from None
     if step_timeout is not None:
         try:
             check_step_timeout(step_timeout)  # (as --step-timeout)

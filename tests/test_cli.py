@@ -644,6 +644,32 @@ def test_minimize_refuses_an_empty_output_name_as_every_output_flag_does(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["good.json"]
 
 
+def test_minimize_of_a_pipe_without_o_says_to_pass_o(tmp_path):
+    """Tester 66: `kvaudit minimize <(cat F)` said '--output /dev/fd/63.min.json: cannot write in /proc/N/fd: No
+    such file or directory': the default output is named after FILE, and a pipe's path names no folder to write
+    in. Now one line says FILE is not a regular file's path and to pass -o (exit 2); with -o it runs."""
+    text = open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json"), "rb").read()
+    opened = []
+
+    def pipe_path() -> str:
+        read, write = os.pipe()
+        opened.append(read)
+        os.write(write, text)  # (it fits the pipe's buffer)
+        os.close(write)
+        return f"/dev/fd/{read}"
+
+    path = pipe_path()
+    r = invoke("minimize", path)
+    assert r.exit_code == 2, r.output
+    assert one_error_line(r) == (f"kvaudit: error: {path}: not a regular file's path (a pipe or a device): the "
+                                 "default output is named after FILE; pass -o OUT")
+    r = invoke("minimize", pipe_path(), "-o", str(tmp_path / "small.json"))
+    assert r.exit_code == 0, r.output
+    assert os.listdir(tmp_path) == ["small.json"]
+    for fd in opened:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("suite", ["zoo", "history"])
 @pytest.mark.parametrize("option", ["--out", "--json"])
 def test_bench_refuses_an_empty_report_name_instead_of_writing_the_default(suite, option, tmp_path, monkeypatch):
@@ -972,6 +998,7 @@ def test_replay_update_refuses_a_file_descriptor_s_link_before_replaying_any(tmp
 @pytest.mark.parametrize("flags, warning", [
     (["--campaign", "nightly"], "warning: --campaign nightly names a campaign shared through --db"),
     (["--no-seeds"], "warning: --no-seeds applies to --fuzzer atheris"),
+    (["--seeds"], "warning: --seeds applies to --fuzzer atheris"),  # (tester 66: no warning)
 ])
 def test_a_flag_that_does_nothing_here_is_a_warning(flags, warning, tmp_path):
     r = invoke("fuzz", *flags, "--fuzzer", "random", "--max-time", "0.5", "--out", str(tmp_path))
@@ -1136,6 +1163,25 @@ def test_ci_regressions_given_a_file_is_one_wording_with_or_without_its_slash(tm
         lines.append(one_error_line(r).replace(given, "PATH"))
     assert lines[0] == lines[1], lines
     assert "Directory" not in lines[0] and "PATH: a file, not a folder: it takes a folder of replay files" in lines[0]
+
+
+@pytest.mark.parametrize("args, flag", [(["fuzz", "--max-time", "1"], "--out"), (["fuzz", "--max-time", "1"], "--corpus"),
+                                        (["ci", "--max-time", "1"], "--out"), (["ci", "--max-time", "1"], "--corpus"),
+                                        (["ci", "--max-time", "0"], "--out")])
+def test_an_output_folder_given_a_file_is_one_wording_with_or_without_its_slash(tmp_path, args, flag):
+    """Tester 66: fuzz/ci --out FILE and --corpus FILE got click's words ("Directory 'X' is a file."), FILE/ kvaudit's
+    ('--out X/: not a directory'); ci --max-time 0 refused FILE and took FILE/. One check, one wording, exit 2."""
+    path = tmp_path / "file"
+    path.write_text("kept")
+    regressions = ["--regressions", os.path.join(ROOT, "corpora", "regressions")] if args[0] == "ci" else []
+    lines = []
+    for given in (str(path), str(path) + os.sep):
+        r = invoke(*args, *regressions, flag, given)
+        assert r.exit_code == 2, r.output
+        lines.append(one_error_line(r).replace(given, "PATH"))
+    assert lines[0] == lines[1], lines
+    assert "Directory" not in lines[0] and "PATH: not a directory" in lines[0], lines
+    assert path.read_text() == "kept"
 
 
 def test_ci_over_a_kind_without_regressions_says_so_in_words(tmp_path, fresh_registry):

@@ -139,3 +139,27 @@ def test_an_interrupted_fuzz_runs_junit_says_what_it_reached(tmp_path, monkeypat
     (case,) = ET.parse(tmp_path / "r.xml").getroot().iter("testcase")
     assert [child.tag for child in case] == ["skipped", "system-out"]
     assert case.find("system-out").text.splitlines() == lines
+
+
+def test_report_of_a_ci_jobs_json_names_its_presets_in_the_clean_junit_case(tmp_path):
+    """Tester 66: `kvaudit report` of a `ci --presets default,retract --json` named its one clean JUnit case
+    'kvaudit default: no findings' (the first preset's config), where the job ran both; a job that replayed its
+    regressions only (--max-time 0) named no preset it ran. Named as the HTML's header names them now."""
+    import os
+
+    regressions = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions")
+    for budget, name in (("1", "kvaudit default, retract: no findings"), ("0", "kvaudit ci: no findings")):
+        r = invoke("ci", "--presets", "default,retract", "--fuzzer", "random", "--max-time", budget, "--regressions",
+                   str(tmp_path) if budget != "0" else regressions, "--out", str(tmp_path / "o"),
+                   "--json", str(tmp_path / "ci.json"))
+        assert r.exit_code == 0, r.output + r.stderr
+        r = invoke("report", str(tmp_path / "ci.json"), "--junit", str(tmp_path / "again.xml"))
+        assert r.exit_code == 0, r.output + r.stderr
+        names = [c.get("name") for c in ET.parse(tmp_path / "again.xml").getroot().iter("testcase")]
+        assert names == [name]
+    r = invoke("fuzz", "--preset", "retract", "--fuzzer", "random", "--max-time", "0.5", "--out", str(tmp_path / "o"),
+               "--json", str(tmp_path / "fuzz.json"))
+    assert r.exit_code == 0, r.output + r.stderr
+    r = invoke("report", str(tmp_path / "fuzz.json"), "--junit", str(tmp_path / "again.xml"))
+    assert [c.get("name") for c in ET.parse(tmp_path / "again.xml").getroot().iter("testcase")] == [
+        "kvaudit retract: no findings"]

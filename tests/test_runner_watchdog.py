@@ -290,7 +290,7 @@ def test_the_pytest_fixtures_fuzz_finds_a_hang_within_a_short_budget(hangs_after
             testing.fuzz(get_preset("default").config(), max_time=3, step_timeout=bad)
 
 
-@pytest.mark.parametrize("bad", ["0.01", "1e-300", "inf", "nan"])
+@pytest.mark.parametrize("bad", ["0.01", "1e-300", "inf", "nan", "1e300", "31536000.5"])
 def test_the_pytest_fixtures_step_timeout_is_refused_in_the_words_of_step_timeout(bad):
     """kvaudit.testing.fuzz checked its step_timeout with a predicate of its own beside --step-timeout's, in other
     words ('step_timeout must be a finite number of seconds >= 0.2, got 0.01' against 'must be at least 0.2
@@ -305,6 +305,17 @@ def test_the_pytest_fixtures_step_timeout_is_refused_in_the_words_of_step_timeou
     with pytest.raises(ValueError) as e:
         testing.fuzz(get_preset("default").config(), max_time=3, step_timeout=float(bad))
     assert str(e.value) == f"step_timeout {cli}"
+
+
+@pytest.mark.parametrize("argument", ["step_timeout", "max_time"])
+def test_the_pytest_fixtures_seconds_past_a_floats_range_are_a_value_error(argument):
+    """Tester 66: kvaudit.testing.fuzz(step_timeout=10**400) raised OverflowError (max_time=10**400 too), not the
+    ValueError its docstring names; 1e300 was taken where --step-timeout and --max-time stop at a year."""
+    from kvaudit import testing
+
+    for bad in (10**400, 1e300):
+        with pytest.raises(ValueError, match=f"^{argument} must be at most 31536000 seconds \\(365d\\), got "):
+            testing.fuzz(get_preset("default").config(), **{"max_time": 3, argument: bad})
 
 
 def test_ci_finds_a_hang_within_a_presets_short_share(hangs_after, tmp_path):

@@ -8,8 +8,7 @@ import time
 from dataclasses import dataclass
 
 from kvaudit.config import json_value
-
-MAX_SECONDS = 365 * 24 * 3600.0  # a year: past it a budget is a typo (1e308), not a plan; Ctrl-C ends a search early
+from kvaudit.constants import MAX_SECONDS, check_at_most_a_year
 
 
 @dataclass(frozen=True)
@@ -42,9 +41,7 @@ def check_seconds(value: float, allow_zero: bool = False) -> float:
         raise ValueError(f"must be a finite number of seconds, got {json_value(value)}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"must be a number of seconds {'>= 0' if allow_zero else '> 0'}, got {value:.15g}")
-    if value > MAX_SECONDS:
-        raise ValueError(f"must be at most {MAX_SECONDS:.0f} seconds ({duration(MAX_SECONDS)}), got {value:.15g}; "
-                         "Ctrl-C or SIGTERM ends a run early and keeps what it found")
+    check_at_most_a_year(value)
     return value
 
 

@@ -75,15 +75,22 @@ def folder_problem(path: str) -> str | None:
     return "no such directory"
 
 
+def out_folder_problem(path: str) -> str | None:
+    """What ``path`` (an output directory: ``--out``, ``--corpus``) is instead of a directory: "not a directory"
+    when something else is there, named with or without a trailing slash; None otherwise."""
+    real = os.path.realpath(path)
+    return "not a directory" if os.path.exists(real) and not os.path.isdir(real) else None
+
+
 def check_dir(path: str, flag: str) -> None:
     """An output directory (made when written): a directory or nothing yet, where a file can be created.
     Raises :class:`InputError`."""
     if path == "":  # (an unset variable in a script: realpath("") is the current directory)
         raise InputError(f"--{flag}: want a directory name, not \"\"")
-    real = os.path.realpath(path)
-    if os.path.exists(real) and not os.path.isdir(real):
-        raise InputError(f"--{flag} {path}: not a directory")
-    _check_writable(flag, path, real)
+    what = out_folder_problem(path)
+    if what is not None:
+        raise InputError(f"--{flag} {path}: {what}")
+    _check_writable(flag, path, os.path.realpath(path))
 
 
 def _check_writable(flag: str, path: str, where: str, file: str | None = None) -> None:

@@ -67,16 +67,19 @@ def check_options(*, target: str, fuzzer: str | None, out_dir: str, corpus_dir: 
 
 def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out_dir: str,
         workers: int, corpus_dir: str | None, use_seeds: bool, suppress_file: str | None,
-        step_timeout: float | None, outputs: Outputs, db: str | None = None, campaign_name: str = "default") -> int:
+        step_timeout: float | None, outputs: Outputs, db: str | None = None, campaign_name: str = "default",
+        seeds_given: bool = False) -> int:
     """``kvaudit fuzz`` on ``config``; returns the exit code. ``budget.seconds`` counts from when the
-    first engine is built."""
+    first engine is built. ``seeds_given``: ``--seeds`` or ``--no-seeds`` was on the command line (either one,
+    with a fuzzer that takes no seed corpus, is a warning; ``use_seeds`` False alone is too)."""
     sset, max_time = checked.sset, budget.seconds
     if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
         runner.set_step_timeout(runner.fuzz_step_timeout(max_time))
     set_hypothesis_home_dir(os.path.join(checked.target_dir, ".hypothesis"))  # not the user's cwd
     console, err = make_console(), make_console(stderr=True)
     _announce(config, checked, err, fuzzer=fuzzer, max_time=max_time, seed=seed, out_dir=out_dir, workers=workers,
-              use_seeds=use_seeds, suppress_file=suppress_file, db=db, campaign_name=campaign_name)
+              use_seeds=use_seeds, suppress_file=suppress_file, db=db, campaign_name=campaign_name,
+              seeds_given=seeds_given)
     catch_sigint()
     runner.warm_up(config)  # the first engine is start-up too: the search's clock starts after it
     fuzzers.get(fuzzer).warm_up()  # and the fuzzer's own first-run set-up (Hypothesis's)
@@ -99,8 +102,8 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     return single.report(outputs)
 
 
-def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir, workers, use_seeds, suppress_file,
-              db, campaign_name) -> None:
+def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir, workers, use_seeds, seeds_given,
+              suppress_file, db, campaign_name) -> None:
     sset, kind = checked.sset, registry.kind_of(config)
     where = kind.describe(config) + ", " if kind.describe is not None else ""
     if checked.campaign:
@@ -116,9 +119,9 @@ def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir,
     warn_campaign_without_db(campaign_name, db, err)
     if checked.campaign:
         note_campaign_keeps_nothing(fuzzer, kind.name, err)
-    if not use_seeds and not fuzzers.get(fuzzer).uses_seeds:
+    if (seeds_given or not use_seeds) and not fuzzers.get(fuzzer).uses_seeds:  # (--seeds said nothing)
         seeded = " or ".join(f"--fuzzer {n}" for n, k in fuzzers.kinds().items() if k.uses_seeds)
-        err.print(f"warning: --no-seeds applies to {seeded} (its seed corpus); with --fuzzer {fuzzer} it is "
+        err.print(f"warning: {'--seeds' if use_seeds else '--no-seeds'} applies to {seeded} (its seed corpus); with --fuzzer {fuzzer} it is "
                   "ignored", soft_wrap=True, markup=False)
     for note in kind.notes(config):
         err.print(f"note: {note}", soft_wrap=True)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from kvaudit.app.configs import require_target
@@ -34,6 +36,9 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     if rule is not None:  # (minimizing would only say that it does not reproduce)
         raise InputError(f"{signature} is suppressed by rule #{rule.index} ({rule.describe()}) of {suppress_file}: "
                          "minimize it without that rule")
+    if out_file is None and not os.path.isfile(file):  # (<(cat F): /dev/fd/63.min.json, 'cannot write in /proc/N/fd')
+        raise InputError(f"{file}: not a regular file's path (a pipe or a device): the default output is named "
+                         "after FILE; pass -o OUT")
     if out_file is None:  # (not `or`: -o "" is refused as every empty output path is, not the default)
         out_file = (file[:-5] if file.endswith(".json") else file) + ".min.json"
     check_paths((file,), output=out_file)  # the same checks as the report flags, named as the flag

@@ -134,10 +134,20 @@ def _sarif(data: ReportData) -> str:
 def _junit(data: ReportData) -> str:
     from kvaudit.reports.junit import to_junit
 
-    return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings",
+    return to_junit(data.findings, data.config, clean_case=f"kvaudit {_presets(data)}: no findings",
                     recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
                     found_after=data.extra.get("first_hit_seconds"), search=search_facts(data.extra),
                     skipped=_not_all_checked(data), notes=_reach_lines(data))
+
+
+def _presets(data: ReportData) -> str:
+    """The presets a clean JUnit case names: a job's (``ran``; ``kvaudit ci``'s ``--json`` read again by ``kvaudit
+    report``: those its ``reached`` counts name, else ``ci``, which then replayed its regressions only), as the
+    HTML's header does; else ``config``'s."""
+    names = list(dict.fromkeys(c.preset for c in data.ran)) or [p for p, _ in _reached(data) if p]
+    if not names and data.extra.get("job") == "kvaudit ci":
+        return "ci"
+    return ", ".join(names or [data.config.preset])
 
 
 def _reached(data: ReportData) -> list[tuple[str, list[str]]]:
