@@ -191,23 +191,20 @@ def _seconds(allow_zero: bool = False):
     return _checked(lambda value: check_seconds(value, allow_zero))
 
 
-def _folder(ctx, param, value):
-    """A folder to read (``ci --regressions``): a file given, with or without a trailing slash, or nothing there, is
-    one usage error in kvaudit's words (click's own check said ``Directory 'X' is a file.`` of the first only)."""
-    what = None if value is None else folder_problem(value)
-    if what is not None:
-        raise click.BadParameter(f"{value or json_value(value)}: {what}", param=param)
-    return value
+def _path_problem(problem):
+    """A click callback: ``problem(path)`` (app.files' ``folder_problem``, ``out_folder_problem``) other than None is
+    one usage error in kvaudit's words (click's own check said ``Directory 'X' is a file.`` of a file named without
+    a trailing slash only)."""
+    def check(ctx, param, value):
+        what = None if value is None else problem(value)
+        if what is not None:
+            raise click.BadParameter(f"{value or json_value(value)}: {what}", param=param)
+        return value
+    return check
 
 
-def _out_folder(ctx, param, value):
-    """An output directory (``fuzz``/``ci`` ``--out``, ``--corpus``): a file there, named with or without a trailing
-    slash, is one usage error in kvaudit's words, with or without a search budget (click's own check said
-    ``Directory 'X' is a file.`` of the first only; app.files.check_dir said ``--out X/: not a directory``)."""
-    what = None if value is None else out_folder_problem(value)
-    if what is not None:
-        raise click.BadParameter(f"{value}: {what}", param=param)
-    return value
+_folder = _path_problem(folder_problem)  # a folder to read: ci --regressions
+_out_folder = _path_problem(out_folder_problem)  # an output directory: fuzz/ci --out, --corpus
 
 
 def _campaign_name(ctx, param, value):
