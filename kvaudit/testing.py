@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import math
 import os
 import time
 from dataclasses import dataclass, field
