@@ -920,3 +920,28 @@ def test_control_characters_a_replay_file_holds_are_shown_escaped_not_sent_to_th
     assert "x = 1  \\x1b]0;title" in shown
     assert "\x1b" not in shown and "\x00" not in shown and "\x9b" not in shown
     assert json.load(open(tmp_path / "out.json"))["findings"][0]["message"] == doc["findings"][0]["message"]
+
+
+def test_report_of_an_interrupted_runs_json_says_interrupted_as_the_run_did(tmp_path):
+    # `fuzz --json` of a run stopped by Ctrl-C with nothing found closes "no findings (interrupted).", and one whose
+    # budget ended before its first program "nothing searched"; `kvaudit report` of either printed "no findings."
+    # while the HTML, SARIF and JUnit it wrote said interrupted or nothing searched
+    with open(os.path.join(REGRESSIONS, "session-close-while-running.json")) as f:
+        doc = json.load(f)
+    doc.update(program=[], findings=[], executions=105, interrupted=True)
+    path = tmp_path / "int.json"
+    path.write_text(json.dumps(doc))
+    r = invoke("report", str(path))
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[-1] == "SUMMARY: kvaudit: no findings (interrupted).", r.stdout
+    doc["interrupted"] = False  # a run that ended on its budget: clean
+    path.write_text(json.dumps(doc))
+    r = invoke("report", str(path))
+    assert r.exit_code == 0 and r.stdout.splitlines()[-1] == "SUMMARY: kvaudit: no findings.", r.output
+    doc.update(executions=0, interrupted=False)  # a budget that ended before the first program (fuzz's exit 5)
+    path.write_text(json.dumps(doc))
+    r = invoke("report", str(path), "--html", str(tmp_path / "r.html"))
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[-1] == ("SUMMARY: kvaudit: nothing searched (the budget ended before the first "
+                                         "program ran)."), r.stdout
+    assert "nothing searched" in (tmp_path / "r.html").read_text()  # (as the page it wrote says)

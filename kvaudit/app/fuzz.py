@@ -29,8 +29,8 @@ from kvaudit.history.notes import note_for
 from kvaudit.constants import CONFIRM_RUNS, default_fuzzer
 from kvaudit.reports.ci_outputs import not_reached, reached_text
 from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
-from kvaudit.reports.report import (new_findings_line, print_report, print_suppressions, print_table, summary_line,
-                                    suppressed_by_kind)
+from kvaudit.reports.report import (NOTHING_SEARCHED_SUMMARY, new_findings_line, print_report, print_suppressions,
+                                    print_table, summary_line, suppressed_by_kind)
 from kvaudit.search import campaign, fuzzers
 # NOTE: names of the search read through their modules when called (tests patch them)
 from kvaudit.search import fuzz as search_fuzz
@@ -305,9 +305,6 @@ def _with_reports(e: click.ClickException, outputs: Outputs, data, err) -> click
         unwritten = refused(later)
     return e.keeping(written, also=unwritten) if isinstance(e, DiskFull) else e
 
-
-# stdout's last line for a run that checked nothing (exit 5), for grep '^SUMMARY:' as every run's
-NOTHING_SEARCHED_SUMMARY = "SUMMARY: kvaudit: nothing searched (the budget ended before the first program ran)."
 
 
 def nothing_searched(err, max_time: float) -> int:

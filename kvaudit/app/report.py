@@ -9,8 +9,8 @@ from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, InputError, unreadable
 from kvaudit.app.files import check_outputs, write_reports
 from kvaudit.app.progress import console as make_console
-from kvaudit.reports.outputs import Case, Outputs, ReportData
-from kvaudit.reports.report import print_cases
+from kvaudit.reports.outputs import Case, Outputs, ReportData, not_all_checked
+from kvaudit.reports.report import NOTHING_SEARCHED_SUMMARY, print_cases
 from kvaudit.reports.timeline import is_valid as timeline_is_valid
 
 
@@ -49,8 +49,12 @@ def run(file: str, outputs: Outputs) -> int:
                                                            "suppressed", "cases")}
     data = ReportData(config, cases, suppressed, extra)
     # the recorded suppressed counts in the summary table and the SUMMARY line, as the run printed them
+    short = not_all_checked(data)  # a run cut short, or that searched nothing: its closing line says so, as its files
     print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], suppressed=suppressed,
-                recorded=data.recorded)
+                recorded=data.recorded, interrupted=short is not None and short[0] == "interrupted",
+                closing=short is None or short[0] != "nothing searched")
+    if short is not None and short[0] == "nothing searched":
+        console.print(NOTHING_SEARCHED_SUMMARY, soft_wrap=True)
     write_reports(outputs, data, make_console(stderr=True))
     return EXIT_CLEAN
 

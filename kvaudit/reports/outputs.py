@@ -125,7 +125,7 @@ def _sarif(data: ReportData) -> str:
         log["runs"][0].setdefault("properties", {})["search"] = search
     if data.extra.get("reached"):  # what the programs reached (Target.reach() summed): a clean run's scope
         log["runs"][0].setdefault("properties", {})["reached"] = data.extra["reached"]
-    short = _not_all_checked(data)
+    short = not_all_checked(data)
     if short is not None:  # its results are what ran before the stop: not a clean run's verdict
         log["runs"][0]["invocations"] = [invocation(short[1])]
     return json.dumps(log, indent=2) + "\n"
@@ -137,7 +137,7 @@ def _junit(data: ReportData) -> str:
     return to_junit(data.findings, data.config, clean_case=f"kvaudit {_presets(data)}: no findings",
                     recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
                     found_after=data.extra.get("first_hit_seconds"), search=search_facts(data.extra),
-                    skipped=_not_all_checked(data), notes=_reach_lines(data))
+                    skipped=not_all_checked(data), notes=_reach_lines(data))
 
 
 def _presets(data: ReportData) -> str:
@@ -172,7 +172,7 @@ def _reach_html(data: ReportData) -> str:
                       for preset, lines in _reached(data) if lines)
 
 
-def _not_all_checked(data: ReportData) -> tuple[str, str] | None:
+def not_all_checked(data: ReportData) -> tuple[str, str] | None:
     """``(name, message)`` of a run that did not check all it was asked to (a search Ctrl-C or SIGTERM cut short,
     or whose budget ended before its first program), for its JUnit's skipped case and SARIF's invocation."""
     if data.extra.get("interrupted"):

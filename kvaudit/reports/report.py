@@ -168,6 +168,10 @@ def units_involved(runs: list[list[Finding]]) -> Counter:
     return counts
 
 
+# stdout's last line for a run that checked nothing (exit 5), for grep '^SUMMARY:' as every run's
+NOTHING_SEARCHED_SUMMARY = "SUMMARY: kvaudit: nothing searched (the budget ended before the first program ran)."
+
+
 def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = None,
                  interrupted: bool = False, runs: list[list[Finding]] | None = None) -> str:
     """The closing line, always one, for ``grep '^SUMMARY:'``: ``SUMMARY: kvaudit: 3 finding(s) (2 leak,
@@ -290,12 +294,14 @@ def header(config) -> str:
 
 def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[Op], list[Finding], str]],
                 suppressed: dict[str, int] | None = None, suppressions: SuppressionSet | None = None,
-                closing: bool = True, recorded: Mapping[str, str] | None = None) -> None:
+                closing: bool = True, recorded: Mapping[str, str] | None = None,
+                interrupted: bool = False) -> None:
     """:func:`print_report` for several (program, findings, program title) cases of one config (a
     campaign's report): every finding with its own program (a case's findings in
     :func:`~kvaudit.audit.findings.report_order`), one summary, the closing line.
     ``recorded``: a signature -> the engine release its finding was recorded on (a replay file's
-    ``engine_version``, :func:`~kvaudit.reports.sarif.engine_of`)."""
+    ``engine_version``, :func:`~kvaudit.reports.sarif.engine_of`); ``interrupted``: the run that recorded
+    them was cut short (a ``--json``'s ``"interrupted": true``), as the closing line says."""
     plain = is_plain(console)
     on = engine_of(config, recorded)
     _print(console, Text(header(config), style="bold"), plain)
@@ -307,7 +313,7 @@ def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[O
     if suppressions is not None:
         print_suppressions(console, suppressions)
     if closing:
-        line = summary_line(findings, suppressed, runs=[found for _, found, _ in cases])
+        line = summary_line(findings, suppressed, interrupted, runs=[found for _, found, _ in cases])
         _print(console, Text(line, style="bold"), plain, soft_wrap=True)
 
 
