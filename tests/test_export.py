@@ -879,3 +879,18 @@ def test_the_issues_replay_command_quotes_a_file_name_for_the_shell(tmp_path):
     _, issue = export_edited(tmp_path, src, lambda doc: None, name="x y's.json")
     replay_line = next(x for x in issue.splitlines() if x.startswith("- Replay: "))
     assert "`kvaudit replay 'x y'\"'\"'s.json'`" in replay_line, replay_line
+
+
+def test_the_issue_shortens_a_long_finding_message_at_a_word(tmp_path):
+    # "kvaudit reports: aliasing in token_to_kv_pool (... (or another owner's writes displac), leak ...": the
+    # first line of a message was cut at 160 characters, mid-word, in an issue meant for upstream
+    src = os.path.join(ROOT, "corpora", "sglang", "aliasing-a1-rejected-turn-clears-inflight.json")
+
+    def edit(doc):
+        doc["findings"][0]["message"] = "the reserved unit " + "padding " * 30 + "end"
+
+    _, issue = export_edited(tmp_path, src, edit)
+    line = next(x for x in issue.splitlines() if x.startswith("kvaudit reports: "))
+    said = line.split(" (", 1)[1].split("), ", 1)[0]
+    assert said.endswith("...") and len(said) <= 160, line
+    assert set(said[len("the reserved unit "):-len("...")].split()) == {"padding"}, line  # whole words only

@@ -212,7 +212,8 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
             f"file `{os.path.basename(source)}` ({'minimized, ' if doc.get('minimized') else ''}confirmed "
             f"{doc.get('confirmations', '?')} by deterministic replay).", ""]
     out += _environment(ex, config, version, launch, env, unmapped, release)
-    kinds = ", ".join(f"{f.kind}" + (f" in {f.pool}" if f.pool != "-" else "") + f" ({f.message.splitlines()[0][:160]})"
+    kinds = ", ".join(f"{f.kind}" + (f" in {f.pool}" if f.pool != "-" else "")
+                      + f" ({_clipped(f.message.splitlines()[0], 160)})"
                       for f in findings) or "no finding recorded"
     out += ["", "## What happens", "", f"kvaudit reports: {kinds}.", ""]
     if note is not None:
