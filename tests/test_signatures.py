@@ -715,7 +715,9 @@ SPLITS = {  # (pd-abort-after-transfer-leak's and radix-lock-skips-matched-node'
     # checkpoint_kv_cache_into_tree, not a release entry): named that, not process_batch_result. Open: the row
     # entry of that unit is stale (the row's former tenant's), but nothing the ledger or the row table keeps
     # tells it from a live one (the unit was allocated after the row, and the row that did map it had it
-    # replaced by the tree's copy before the check)
+    # replaced by the tree's copy before the check). Nor would a copy of the row taken at its allocation (ts67):
+    # row 1 maps units 1-4 before and after, unit 1 at position 0 its own now, units 2 and 3 (positions 1, 2)
+    # stale, all three from one alloc_extend for rows 1-3; only its finished tenant's length (1) tells them apart
     "prefill-finish-leaks-row": [Submit(0, 1, 4), Idle(), PauseGeneration(mode=1), HealthCheck(), Submit(1, 1, 2),
                                  Submit(1, 1, 2), FlushCache(timeout=0), Idle()],
 }
