@@ -1191,6 +1191,26 @@ def test_ci_interrupted_names_the_regressions_and_presets_it_never_started(tmp_p
     assert "interrupted before its share ended" in rows["default"] and "not run" not in rows["default"]
     assert "not run: interrupted before it started" in rows["chunked"], r.stdout
 
+def test_ci_interrupted_gives_each_preset_it_never_started_a_skipped_junit_case(tmp_path, monkeypatch):
+    """The table named a preset the interrupt kept from starting ('fuzz chunked  not run: interrupted before it
+    started'), but the JUnit had no case for it: a dashboard counted one preset where the job was to fuzz two.
+    Each has a skipped case 'PRESET: not run', in the table's words."""
+    import xml.etree.ElementTree as ET
+
+    from kvaudit.search import campaign
+
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(interrupted=True))
+    r = invoke("ci", "--max-time", "10", "--presets", "default,chunked,retract", "--regressions", str(tmp_path),
+               "--out", str(tmp_path / "out"), "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 130, r.output
+    cases = {c.get("name"): c for c in ET.parse(tmp_path / "ci.xml").getroot().iter("testcase")}
+    assert list(cases) == ["default: interrupted", "chunked: not run", "retract: not run", "interrupted"]
+    for name in ("chunked", "retract"):
+        case = cases[f"{name}: not run"]
+        assert case.get("classname") == f"kvaudit.fuzz.{name}"
+        assert [(c.tag, c.get("message")) for c in case] == [("skipped", "not run: interrupted before it started")]
+
+
 def test_ci_interrupted_in_a_clean_fuzz_has_no_passing_case_and_its_html_and_json_say_interrupted(tmp_path,
                                                                                                  monkeypatch):
     """Tester 61b: an interrupted ci wrote a passing 'default: no new findings' JUnit case beside the skipped
@@ -1208,7 +1228,7 @@ def test_ci_interrupted_in_a_clean_fuzz_has_no_passing_case_and_its_html_and_jso
     import xml.etree.ElementTree as ET
 
     cases = list(ET.parse(tmp_path / "ci.xml").getroot().iter("testcase"))
-    assert [c.get("name") for c in cases] == ["default: interrupted", "interrupted"]
+    assert [c.get("name") for c in cases] == ["default: interrupted", "chunked: not run", "interrupted"]
     assert all(c.find("skipped") is not None for c in cases), (tmp_path / "ci.xml").read_text()
     assert "no new findings" not in (tmp_path / "ci.xml").read_text()
     page = (tmp_path / "ci.html").read_text()
