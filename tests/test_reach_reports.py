@@ -163,3 +163,29 @@ def test_report_of_a_ci_jobs_json_names_its_presets_in_the_clean_junit_case(tmp_
     r = invoke("report", str(tmp_path / "fuzz.json"), "--junit", str(tmp_path / "again.xml"))
     assert [c.get("name") for c in ET.parse(tmp_path / "again.xml").getroot().iter("testcase")] == [
         "kvaudit retract: no findings"]
+
+
+def test_report_of_a_ci_jobs_json_names_every_preset_in_the_junit_properties(tmp_path):
+    """`kvaudit report --junit` of a `ci --presets default,retract --json` named the first preset alone in its
+    suite's properties (preset=default, and default's config fields: num_slots, enable_*, ...) where the job ran
+    both: one ``presets`` property names them all now, in run order, and no preset's fields stand for the job's;
+    a ci job that fuzzed none (--max-time 0) names none; a fuzz run's keeps its preset and config."""
+    import os
+
+    def properties(report: str) -> dict[str, str]:
+        r = invoke("report", report, "--junit", str(tmp_path / "again.xml"))
+        assert r.exit_code == 0, r.output + r.stderr
+        return {p.get("name"): p.get("value") for p in ET.parse(tmp_path / "again.xml").getroot().iter("property")}
+
+    regressions = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions")
+    for budget, presets in (("1", "default,retract"), ("0", "")):
+        r = invoke("ci", "--presets", "default,retract", "--fuzzer", "random", "--max-time", budget, "--regressions",
+                   str(tmp_path) if budget != "0" else regressions, "--out", str(tmp_path / "o"),
+                   "--json", str(tmp_path / "ci.json"))
+        assert r.exit_code == 0, r.output + r.stderr
+        assert properties(str(tmp_path / "ci.json")) == {"presets": presets}
+    r = invoke("fuzz", "--preset", "retract", "--fuzzer", "random", "--max-time", "0.5", "--out", str(tmp_path / "o"),
+               "--json", str(tmp_path / "fuzz.json"))
+    assert r.exit_code == 0, r.output + r.stderr
+    props = properties(str(tmp_path / "fuzz.json"))
+    assert props["preset"] == "retract" and "presets" not in props and "num_slots" in props
