@@ -189,3 +189,17 @@ def test_report_of_a_ci_jobs_json_names_every_preset_in_the_junit_properties(tmp
     assert r.exit_code == 0, r.output + r.stderr
     props = properties(str(tmp_path / "fuzz.json"))
     assert props["preset"] == "retract" and "presets" not in props and "num_slots" in props
+
+
+def test_report_of_a_ci_jobs_json_names_every_preset_in_the_sarif_run_properties(tmp_path):
+    """`kvaudit report --sarif` of a `ci --presets default,retract --json` gave the run the first preset's
+    properties (preset default, its bugs, model, page_size and engineConfig) where ci's own SARIF names the job's
+    presets: ``presets`` lists every preset fuzzed, and no one preset's config stands for the job's."""
+    r = invoke("ci", "--presets", "default,retract", "--fuzzer", "random", "--max-time", "1", "--regressions",
+               str(tmp_path), "--out", str(tmp_path / "o"), "--json", str(tmp_path / "ci.json"))
+    assert r.exit_code == 0, r.output + r.stderr
+    r = invoke("report", str(tmp_path / "ci.json"), "--sarif", str(tmp_path / "again.sarif"))
+    assert r.exit_code == 0, r.output + r.stderr
+    props = json.loads((tmp_path / "again.sarif").read_text())["runs"][0]["properties"]
+    assert props["presets"] == ["default", "retract"], props
+    assert not {"preset", "engineConfig", "bugs", "model", "page_size"} & set(props), props

@@ -120,6 +120,12 @@ def _sarif(data: ReportData) -> str:
         unique.setdefault(f.signature, f)
     baseline = None if data.known_open is None else {s: "unchanged" if s in data.known else "new" for s in unique}
     log = to_sarif(list(unique.values()), data.config, baseline, recorded=data.recorded)
+    names = _preset_names(data)
+    if names != [data.config.preset]:  # a job over several presets (ci's --json read again): none stands for it
+        props = log["runs"][0].setdefault("properties", {})
+        for key in ("preset", "engineConfig", "bugs", "model", "page_size"):  # (the first preset's)
+            props.pop(key, None)
+        props["presets"] = names
     search = search_facts(data.extra)
     if search:  # which search ran: the fuzzer's name and its --seed (the engine config's seed is engineConfig's)
         log["runs"][0].setdefault("properties", {})["search"] = search
