@@ -1191,6 +1191,38 @@ def test_ci_interrupted_names_the_regressions_and_presets_it_never_started(tmp_p
     assert "interrupted before its share ended" in rows["default"] and "not run" not in rows["default"]
     assert "not run: interrupted before it started" in rows["chunked"], r.stdout
 
+def test_ci_interrupted_gives_each_regression_file_without_a_result_a_skipped_junit_case(tmp_path, monkeypatch):
+    """The table named the regression files the interrupt kept from a result ('regression b  interrupted while
+    it was replayed', 'regression c  not run: interrupted before it started'), but the JUnit had a case for a
+    alone: a dashboard counted one regression where the job had three. Each has a skipped case, in the table's
+    words."""
+    import xml.etree.ElementTree as ET
+
+    from kvaudit.search import ci
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions",
+                       "session-close-while-running.json")
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    for name in ("a.json", "b.json", "c.json"):
+        shutil.copy(src, regs / name)
+    check = ci.check_regression
+
+    def first_only(path, *a, **k):
+        if path.endswith("b.json"):
+            raise KeyboardInterrupt
+        return check(path, *a, **k)
+
+    monkeypatch.setattr(ci, "check_regression", first_only)
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 130, r.output
+    cases = {c.get("name"): c for c in ET.parse(tmp_path / "ci.xml").getroot().iter("testcase")}
+    assert list(cases) == ["a", "b", "c", "interrupted"]
+    assert list(cases["a"]) == []
+    assert [(c.tag, c.get("message")) for c in cases["b"]] == [("skipped", "interrupted while it was replayed")]
+    assert [(c.tag, c.get("message")) for c in cases["c"]] == [("skipped", "not run: interrupted before it started")]
+
+
 def test_ci_interrupted_gives_each_preset_it_never_started_a_skipped_junit_case(tmp_path, monkeypatch):
     """The table named a preset the interrupt kept from starting ('fuzz chunked  not run: interrupted before it
     started'), but the JUnit had no case for it: a dashboard counted one preset where the job was to fuzz two.
