@@ -1149,6 +1149,17 @@ def test_ci_interrupted_in_a_clean_fuzz_does_not_call_it_clean(tmp_path, monkeyp
 
 
 
+def _three_regression_files(tmp_path):
+    """``tmp_path/regs`` holding a.json, b.json and c.json, each a shipped regression file."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions",
+                       "session-close-while-running.json")
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    for name in ("a.json", "b.json", "c.json"):
+        shutil.copy(src, regs / name)
+    return regs
+
+
 def test_ci_interrupted_names_the_regressions_and_presets_it_never_started(tmp_path, monkeypatch):
     """After Ctrl-C the job's table left out the regression files not replayed yet and the presets not fuzzed
     yet: a CI log's reader saw rows for what ran and could not tell the rest had been planned. Each has its
@@ -1156,12 +1167,7 @@ def test_ci_interrupted_names_the_regressions_and_presets_it_never_started(tmp_p
     while it was replayed' (it was labelled as never started)."""
     from kvaudit.search import campaign, ci
 
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions",
-                       "session-close-while-running.json")
-    regs = tmp_path / "regs"
-    regs.mkdir()
-    for name in ("a.json", "b.json", "c.json"):
-        shutil.copy(src, regs / name)
+    regs = _three_regression_files(tmp_path)
     check = ci.check_regression
 
     def first_only(path, *a, **k):
@@ -1200,12 +1206,7 @@ def test_ci_interrupted_gives_each_regression_file_without_a_result_a_skipped_ju
 
     from kvaudit.search import ci
 
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions",
-                       "session-close-while-running.json")
-    regs = tmp_path / "regs"
-    regs.mkdir()
-    for name in ("a.json", "b.json", "c.json"):
-        shutil.copy(src, regs / name)
+    regs = _three_regression_files(tmp_path)
     check = ci.check_regression
 
     def first_only(path, *a, **k):
