@@ -35,6 +35,9 @@ def _class_file(cls: type) -> str:
 STACK_DEPTH = 4
 _STOP, _READ = 1, 2  # owner lookup per code object (see Auditor._code_info)
 OWNER_FRAMES = 3  # innermost engine frames searched for the owner of an allocation
+# per slot, the contents (shadow tags) its latest frees took that a stale read's cause is looked for among: the
+# last one and three before it (a read of content freed under its reader, rewritten and freed again needs two)
+FREED_CONTENTS = 4
 
 
 _PASS_THROUGH: set[int] = set()  # id() of the code of pass_through() wrappers (their functions keep it alive)
@@ -395,7 +398,11 @@ class Auditor(Ledger, PoolWrappers):
         # (a copy per free; only a report reads it, to tell a stale read's cause: _stale_kv)
         self.tags_at_free = {p: np.zeros_like(t) for p, t in self.shadow.tags.items()
                              if p in self.ledgers and self.ledgers[p].refs is None}
-        self.freed_tags: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # free event id -> (its slots, their tags)
+        # pool -> ([slots, FREED_CONTENTS] tags, the same shape of free event ids, -1 none): per slot the contents
+        # its latest frees took, newest first, each with the latest free that took it (_freed_what_was_wanted);
+        # bounded by the pool (a list of every free's tags grew with the run: 3.4 MB over a 12,000-op replay)
+        self.freed_contents = {p: (np.zeros((t.size, FREED_CONTENTS), np.int64),
+                                   np.full((t.size, FREED_CONTENTS), -1, np.int64)) for p, t in self.tags_at_free.items()}
         # a copy of unwritten content (never written, or _unwritten) into each slot since its last free: the tag it
         # put there and the allocation (event id + 1, 0 for none) that handed the content out unwritten. A copy
         # carries a slot's tag; this, that no allocation wrote it (a demote to host and the load-back)
@@ -413,8 +420,18 @@ class Auditor(Ledger, PoolWrappers):
             s = s[(s >= 0) & (s < kept.size)]
             kept[s] = self.shadow.tags[pool][s]
             self.carried[pool][1][s] = 0
-            self.freed_tags[len(self.events)] = (s, kept[s])  # (the id Ledger.on_free gives its event)
+            self._keep_freed_contents(pool, s, kept[s], len(self.events))  # (the id Ledger.on_free gives its event)
         Ledger.on_free(self, pool, units, sid)
+
+    def _keep_freed_contents(self, pool: str, slots: np.ndarray, tags: np.ndarray, eid: int) -> None:
+        # free ``eid`` took ``tags`` from ``slots``: each slot's newest entry; a slot whose last free took the same
+        # content (not rewritten since) has that entry's free renewed instead, the older contents kept
+        contents, frees = self.freed_contents[pool]
+        slots, first = np.unique(slots, return_index=True)
+        tags = tags[first]
+        moved = slots[(frees[slots, 0] < 0) | (contents[slots, 0] != tags)]
+        contents[moved, 1:], frees[moved, 1:] = contents[moved, :-1], frees[moved, :-1]
+        contents[slots, 0], frees[slots, 0] = tags, eid
 
     def _carried(self, pool: str, slots: np.ndarray) -> np.ndarray:
         # [n] bool: which of ``slots`` hold a copy of unwritten content, as the copy left them (self.carried)
@@ -447,15 +464,11 @@ class Auditor(Ledger, PoolWrappers):
 
     def _freed_what_was_wanted(self, pool: str, slots: np.ndarray, wanted: np.ndarray) -> int:
         # the latest free (event id) of ``pool`` at which one of ``slots`` held the tag its reader wanted there
-        # (``wanted``, one per slot), -1 for none: that free took the reader's content
-        want = dict(zip(slots.tolist(), wanted.tolist()))
-        for eid in reversed(list(self.freed_tags)):  # (ids ascending, as the frees came)
-            freed, tags = self.freed_tags[eid]
-            hit = np.isin(freed, slots)
-            if hit.any() and self.events[eid].pool == pool and any(
-                    want[s] == t for s, t in zip(freed[hit].tolist(), tags[hit].tolist())):
-                return eid
-        return -1
+        # (``wanted``, one per slot), -1 for none: that free took the reader's content (looked for among each
+        # slot's last FREED_CONTENTS contents)
+        contents, frees = self.freed_contents[pool]
+        took = np.where(contents[slots] == wanted[:, None], frees[slots], -1)
+        return int(took.max()) if took.size else -1
 
     def _stale_kv(self, pool: str, slots, message: str, expected=None) -> None:
         # report(pool, slots, message[, expected]), called by the target's install_shadow: slots any integer
