@@ -16,7 +16,7 @@ import click
 # must start in a fraction of a second (tests/test_entry.py checks it with -X importtime). The
 # commands import the jobs (kvaudit.app.*) they run inside their functions.
 from kvaudit import __version__
-from kvaudit.app.budget import Budget, check_seconds
+from kvaudit.app.budget import Budget
 from kvaudit.app.configs import (FuzzerChoice, TargetChoice, bugs_renderables, check_plugins, common_options,
                                  presets_table, replay_tree_core_option, select_config)
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
@@ -24,7 +24,7 @@ from kvaudit.app.files import check_outputs, folder_problem, out_folder_problem
 from kvaudit.app.interrupts import end_startup_interrupt, restoring_sigint
 from kvaudit.config import json_value
 from kvaudit.constants import (CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, WATCHDOG_IDLE_POLL,
-                               check_step_timeout)
+                               check_seconds, check_step_timeout)
 from kvaudit.search import fuzzers
 from kvaudit.reports.outputs import FORMATS
 from kvaudit.targets.registry import TargetDefinitionError

@@ -30,6 +30,24 @@ def check_at_most_a_year(value) -> float:
     return seconds
 
 
+def check_seconds(value, allow_zero: bool = False) -> float:
+    """``value`` as a float when it is a finite number of seconds > 0 (or 0 with ``allow_zero``) and at most
+    :data:`MAX_SECONDS`: ``--max-time`` (and the CLI's other durations) and :func:`kvaudit.testing.fuzz`'s
+    ``max_time``, one check whichever door the value came in by. Raises ``ValueError`` with the reason, for the
+    caller to prefix with the option's or the argument's name."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be a finite number of seconds, got a {type(value).__name__}")
+    if not value - value == 0:  # inf or nan (math.isfinite, without an import)
+        raise ValueError(f"must be a finite number of seconds, got {value:.15g}")
+    if value < 0 or (value == 0 and not allow_zero):
+        try:
+            shown = f"{value:.15g}"
+        except OverflowError:  # (-10**400)
+            shown = "an integer past a float's range"
+        raise ValueError(f"must be a number of seconds {'>= 0' if allow_zero else '> 0'}, got {shown}")
+    return check_at_most_a_year(value)
+
+
 def check_step_timeout(value) -> float:
     """The watchdog's limit on one engine step (``--step-timeout``; :func:`kvaudit.testing.fuzz`'s ``step_timeout``):
     ``value`` as a float when it is a finite number of seconds of at least :data:`WATCHDOG_IDLE_POLL`. Raises

@@ -1058,6 +1058,26 @@ def test_an_empty_fuzzer_list_and_a_nan_watch_are_refused(args, message):
     assert message in one_error_line(r)
 
 
+@pytest.mark.parametrize("broken, said", [
+    (None, "--db needs redis-py: pip install redis"),
+    ("import kvaudit_tw67_no_such_module\n", "--db: redis-py is installed but cannot be imported here: "
+                                            "ModuleNotFoundError: No module named 'kvaudit_tw67_no_such_module'")])
+def test_a_redis_py_that_fails_to_import_says_what_failed(tmp_path, monkeypatch, broken, said):
+    """A redis-py whose own import failed (a module it needs missing) said '--db needs redis-py: pip install redis',
+    to a user who had it installed: the line names what failed; still one line, exit 69 (unavailable)."""
+    for name in [m for m in sys.modules if m == "redis" or m.startswith("redis.")]:
+        monkeypatch.delitem(sys.modules, name)
+    if broken is None:
+        monkeypatch.setitem(sys.modules, "redis", None)  # (import redis: ModuleNotFoundError, name 'redis')
+    else:
+        (tmp_path / "redis").mkdir()
+        (tmp_path / "redis" / "__init__.py").write_text(broken)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    r = invoke("campaign", "status", "--db", "redis://localhost:1/0")
+    assert r.exit_code == 69, r.output + r.stderr
+    assert one_error_line(r).startswith(f"kvaudit: error: {said}")
+
+
 def test_a_fuzzer_or_bug_named_twice_runs_once_with_a_warning(tmp_path):
     """`bench --fuzzers random,random` ran random once without a word (the tester read it as accepted twice):
     a name given twice is kept once, as every name list keeps its first, and the warning says so."""

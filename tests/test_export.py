@@ -881,6 +881,93 @@ def test_the_issues_replay_command_quotes_a_file_name_for_the_shell(tmp_path):
     assert "`kvaudit replay 'x y'\"'\"'s.json'`" in replay_line, replay_line
 
 
+def _environment(issue: str) -> str:
+    """The issue's Environment section (the launch line, its environment and what no flag sets)."""
+    return issue.split("## Environment")[1].split("\n## ")[0]
+
+
+_PD_DECODE = "hang-pd-prealloc-never-fits"
+_PD_PREFILL = "uaf-pd-prefill-failed-transfer-frees-source-page"
+_HISPARSE = "leak-a3-hisparse-buffer-padded-at-finish"
+_SESSION = "crash-session-replace-without-rid"
+
+
+@pytest.mark.parametrize("name,preset,field,value", [
+    (_PD_DECODE, None, "deferred_kv_release", False), (_PD_DECODE, None, "deferred_release_timeout_steps", 9),
+    (_PD_DECODE, None, "transfer_latency_steps", 3), (_PD_DECODE, None, "abort_ack_steps", None),
+    (_PD_DECODE, None, "kv_checksum_mismatch_every", 4), (_PD_DECODE, None, "need_sort", False),
+    (_PD_PREFILL, None, "bootstrap_steps", 3), (_PD_PREFILL, None, "bootstrap_lost_every", None),
+    (_PD_PREFILL, None, "prefill_reads_after_failure", False), (_PD_PREFILL, None, "transfer_latency_steps", 5),
+    (_PD_PREFILL, None, "bootstrap_timeout_steps", 20), (_HISPARSE, None, "hisparse_staging_steps", 3),
+    (_SESSION, "sglang-hicache", "hicache_ack_steps", 3), (_SESSION, None, "strict_mem_check_during_busy", True),
+    (_SESSION, None, "fake_bootstrap_every", 3)])
+def test_a_setting_the_driver_ran_with_is_in_the_launch_or_said_to_be_unset(tmp_path, name, preset, field, value):
+    """Stop 65 left these out of the export without a word: a server launched as the issue said ran with SGLang's
+    own deferred-release timeout (30 s, not the preset's 6), its own checksum injector off, and no reader learnt
+    that kvaudit played the prefill/decode peer, the wire or a copy's timing. Each, changed, changes the issue's
+    Environment section: set on the launch line (an environment variable or a flag), or named as not set."""
+    from kvaudit.targets import config_to_dict, registry
+
+    def with_value(v):
+        def edit(doc):
+            if preset is not None:
+                doc["config"] = config_to_dict(registry.get("sglang").preset(preset).config())
+            doc["config"][field] = v
+        return _environment(export_edited(tmp_path, os.path.join(ROOT, "corpora", "sglang", name + ".json"),
+                                          edit)[1])
+
+    config = registry.get("sglang").preset(preset).config() if preset is not None else \
+        replay.load(os.path.join(ROOT, "corpora", "sglang", name + ".json"))[0]
+    before, after = with_value(getattr(config, field)), with_value(value)
+    assert before != after, (field, after)
+    assert field in before + after or "SGLANG_" in after, (field, after)
+
+
+@pytest.mark.sglang
+def test_the_pd_decode_launch_sets_sglangs_own_deferred_release_and_checksum_settings(tmp_path):
+    """The environment variables of the PD decode launch are SGLang 0.5.23's (sglang/srt/environ.py), read by
+    SGLang's own parser as the preset set them (the timeout in seconds: kvaudit's PD clock runs one second a
+    step), and the checksum flag is SGLang's (sglang/srt/arg_groups/fields/disagg.py)."""
+    import argparse
+    import re
+    import shlex
+    from kvaudit.targets.sglang import boot
+    boot.load()
+    from sglang.srt.environ import envs
+    from sglang.srt.server_args import ServerArgs
+
+    def edit(doc):
+        doc["config"].update(deferred_release_timeout_steps=9, kv_checksum_mismatch_every=4)
+    issue = export_edited(tmp_path, os.path.join(ROOT, "corpora", "sglang", _PD_DECODE + ".json"), edit)[1]
+    found = re.search(r"^(.*)python -m sglang.launch_server (.*)$", issue, re.M)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert vars(parser.parse_args(shlex.split(found.group(2))))["disaggregation_enable_kv_checksum"] is True
+    env = dict(e.split("=", 1) for e in found.group(1).split())
+    want = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": True,
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": 9.0,
+            "SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB": 0.25}
+    old = {k: os.environ.get(k) for k in want}
+    try:
+        os.environ.update({k: env[k] for k in want})
+        assert {k: getattr(envs, k).get() for k in want} == want, env
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_a_session_timeout_is_in_the_curl_line_as_in_the_script(tmp_path):
+    """The client script opens a session with the preset's ``timeout`` (OpenSessionReqInput.timeout,
+    sglang/srt/managers/io_struct.py); the issue's curl line for the same call left it out."""
+    def edit(doc):
+        doc["config"]["session_timeout_steps"] = 7
+    src = os.path.join(ROOT, "corpora", "sglang", GOLDEN_NAME + ".json")  # (its plan is exact: it has curl lines)
+    script, issue = export_edited(tmp_path, src, edit)
+    assert "timeout=7" in script
+    opens = [ln for ln in issue.splitlines() if ln.startswith("curl") and "/open_session" in ln]
+    assert opens and all('"timeout": 7' in ln for ln in opens), opens
+
+
 def test_the_issue_shortens_a_long_finding_message_at_a_word(tmp_path):
     # "kvaudit reports: aliasing in token_to_kv_pool (... (or another owner's writes displac), leak ...": the
     # first line of a message was cut at 160 characters, mid-word, in an issue meant for upstream

@@ -609,3 +609,23 @@ def test_an_op_the_client_ignores_is_said_to_send_nothing_once(tmp_path):
     assert "- op 1: nothing sent for `open_session()` (on a streaming_sessions preset" in issue
     assert "- op 2: nothing sent for `close_session(handle=0)` (on a streaming_sessions preset" in issue
     assert "nothing sent: " not in issue and "nothing sent: " not in script
+
+
+@pytest.mark.parametrize("flush_running", [True, False])
+def test_a_flush_that_resets_running_requests_is_sent_so(stand_in, tmp_path, flush_running):
+    """``flush_running`` (the history row vllm-49860's): the program's flush is vLLM's
+    ``reset_prefix_cache(reset_running_requests=True)``, which a dev-mode server takes as the query
+    ``?reset_running_requests=true`` (vllm/entrypoints/serve/dev/cache/api_router.py). The script sent a plain
+    ``/reset_prefix_cache`` whatever the config said: a server kept its running requests. The script's own
+    flushes (before and after the program) stay plain."""
+    def edit(doc):
+        doc["config"]["flush_running"] = flush_running
+        doc["program"].insert(1, {"op": "flush_cache", "timeout": 0})
+    script = export_edited(tmp_path, os.path.join(ROOT, "corpora", "vllm", GOLDEN_NAME + ".json"), edit)[0]
+    (tmp_path / "c.py").write_text(script)
+    done = run_client(str(tmp_path / "c.py"), stand_in.url)
+    assert done.returncode in (0, 1, 3), done.stdout[-2000:] + done.stderr[-2000:]
+    resets = [r["path"] for r in stand_in.log if r["path"].startswith("/reset_prefix_cache")]
+    assert len(resets) >= 3, resets  # the script's before, the program's, the script's cleanup
+    program = "/reset_prefix_cache?reset_running_requests=true" if flush_running else "/reset_prefix_cache"
+    assert resets[0] == resets[-1] == "/reset_prefix_cache" and program in resets[1:-1], resets

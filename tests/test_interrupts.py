@@ -1149,6 +1149,17 @@ def test_ci_interrupted_in_a_clean_fuzz_does_not_call_it_clean(tmp_path, monkeyp
 
 
 
+def _three_regression_files(tmp_path):
+    """``tmp_path/regs`` holding a.json, b.json and c.json, each a shipped regression file."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions",
+                       "session-close-while-running.json")
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    for name in ("a.json", "b.json", "c.json"):
+        shutil.copy(src, regs / name)
+    return regs
+
+
 def test_ci_interrupted_names_the_regressions_and_presets_it_never_started(tmp_path, monkeypatch):
     """After Ctrl-C the job's table left out the regression files not replayed yet and the presets not fuzzed
     yet: a CI log's reader saw rows for what ran and could not tell the rest had been planned. Each has its
@@ -1156,12 +1167,7 @@ def test_ci_interrupted_names_the_regressions_and_presets_it_never_started(tmp_p
     while it was replayed' (it was labelled as never started)."""
     from kvaudit.search import campaign, ci
 
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions",
-                       "session-close-while-running.json")
-    regs = tmp_path / "regs"
-    regs.mkdir()
-    for name in ("a.json", "b.json", "c.json"):
-        shutil.copy(src, regs / name)
+    regs = _three_regression_files(tmp_path)
     check = ci.check_regression
 
     def first_only(path, *a, **k):
@@ -1191,6 +1197,53 @@ def test_ci_interrupted_names_the_regressions_and_presets_it_never_started(tmp_p
     assert "interrupted before its share ended" in rows["default"] and "not run" not in rows["default"]
     assert "not run: interrupted before it started" in rows["chunked"], r.stdout
 
+def test_ci_interrupted_gives_each_regression_file_without_a_result_a_skipped_junit_case(tmp_path, monkeypatch):
+    """The table named the regression files the interrupt kept from a result ('regression b  interrupted while
+    it was replayed', 'regression c  not run: interrupted before it started'), but the JUnit had a case for a
+    alone: a dashboard counted one regression where the job had three. Each has a skipped case, in the table's
+    words."""
+    import xml.etree.ElementTree as ET
+
+    from kvaudit.search import ci
+
+    regs = _three_regression_files(tmp_path)
+    check = ci.check_regression
+
+    def first_only(path, *a, **k):
+        if path.endswith("b.json"):
+            raise KeyboardInterrupt
+        return check(path, *a, **k)
+
+    monkeypatch.setattr(ci, "check_regression", first_only)
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 130, r.output
+    cases = {c.get("name"): c for c in ET.parse(tmp_path / "ci.xml").getroot().iter("testcase")}
+    assert list(cases) == ["a", "b", "c", "interrupted"]
+    assert list(cases["a"]) == []
+    assert [(c.tag, c.get("message")) for c in cases["b"]] == [("skipped", "interrupted while it was replayed")]
+    assert [(c.tag, c.get("message")) for c in cases["c"]] == [("skipped", "not run: interrupted before it started")]
+
+
+def test_ci_interrupted_gives_each_preset_it_never_started_a_skipped_junit_case(tmp_path, monkeypatch):
+    """The table named a preset the interrupt kept from starting ('fuzz chunked  not run: interrupted before it
+    started'), but the JUnit had no case for it: a dashboard counted one preset where the job was to fuzz two.
+    Each has a skipped case 'PRESET: not run', in the table's words."""
+    import xml.etree.ElementTree as ET
+
+    from kvaudit.search import campaign
+
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(interrupted=True))
+    r = invoke("ci", "--max-time", "10", "--presets", "default,chunked,retract", "--regressions", str(tmp_path),
+               "--out", str(tmp_path / "out"), "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 130, r.output
+    cases = {c.get("name"): c for c in ET.parse(tmp_path / "ci.xml").getroot().iter("testcase")}
+    assert list(cases) == ["default: interrupted", "chunked: not run", "retract: not run", "interrupted"]
+    for name in ("chunked", "retract"):
+        case = cases[f"{name}: not run"]
+        assert case.get("classname") == f"kvaudit.fuzz.{name}"
+        assert [(c.tag, c.get("message")) for c in case] == [("skipped", "not run: interrupted before it started")]
+
+
 def test_ci_interrupted_in_a_clean_fuzz_has_no_passing_case_and_its_html_and_json_say_interrupted(tmp_path,
                                                                                                  monkeypatch):
     """Tester 61b: an interrupted ci wrote a passing 'default: no new findings' JUnit case beside the skipped
@@ -1208,7 +1261,7 @@ def test_ci_interrupted_in_a_clean_fuzz_has_no_passing_case_and_its_html_and_jso
     import xml.etree.ElementTree as ET
 
     cases = list(ET.parse(tmp_path / "ci.xml").getroot().iter("testcase"))
-    assert [c.get("name") for c in cases] == ["default: interrupted", "interrupted"]
+    assert [c.get("name") for c in cases] == ["default: interrupted", "chunked: not run", "interrupted"]
     assert all(c.find("skipped") is not None for c in cases), (tmp_path / "ci.xml").read_text()
     assert "no new findings" not in (tmp_path / "ci.xml").read_text()
     page = (tmp_path / "ci.html").read_text()

@@ -12,7 +12,8 @@ from engine_under_test import Scheduler
 
 from kvaudit.targets.eut.presets import get_preset
 from kvaudit.audit import oracles
-from kvaudit.program import Abort, FlushCache, HealthCheck, Idle, Step, Submit, random_program
+from kvaudit.program import (PAUSE_MODES, Abort, ContinueGeneration, FlushCache, HealthCheck, Idle,
+                             PauseGeneration, Step, Submit, random_program)
 from kvaudit.audit.runner import AuditedRun, execute
 from fault_helpers import assert_names_both_tree_counters, first_finding_within
 
@@ -708,6 +709,55 @@ def test_a_lost_request_is_reported_once_even_when_suppressed(make_run, monkeypa
         assert [f.kind for f in run.suppressed] == ["liveness"] and run.findings == []
     finally:
         run.auditor.uninstall()
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_an_abort_the_engine_ignores_is_a_liveness_finding(make_run, ignored):
+    """The mutant abort-running-ignored: the engine takes an abort of a running request and drops it, so the
+    request runs on to its end and is released normally; no memory effect, so no memory oracle saw it. The
+    built-in target names the requests each abort the client sends aborts and records how many outputs the engine
+    had emitted when it took the abort; at idle, one answered after that with another reason than the abort is
+    reported, once. Honoured (the unmutated engine), nothing."""
+    run = started(make_run, "default", 1, steps=2)
+    eng = run.target.engine
+    rid = live_req(run).rid
+    if ignored:  # the abort's to_finish dropped right after the intake took it, as the mutant never sets it
+        intake = eng.process_input_requests
+
+        def ignoring():
+            intake()
+            for r in eng.running_batch:
+                r.to_finish = None
+
+        eng.process_input_requests = ignoring
+    assert run.apply(Abort(handle=0)) == []
+    found = run.apply(Idle())
+    assert {o.rid: o.reason.value for o in eng.finished_outputs}[rid] == ("length" if ignored else "abort")
+    if not ignored:
+        assert found == []
+        return
+    assert kinds(found) == ["liveness"] and f"req:{rid} (its abort ignored" in found[0].message
+    assert found[0].signature == "liveness/-/progress/-:abort-ignored"
+    assert run.apply(Step(3)) == []  # reported once
+
+
+def test_a_request_finished_ahead_of_its_abort_is_not_an_ignored_abort(make_run):
+    """A client's abort racing its request's finish: with overlap, a retract pause sent ahead of the abort, in the
+    same intake, processes the batch in flight first, which finishes the request (length) before the engine takes
+    the abort. The abort hit nothing: no finding (the rule 'an abort sent while it was unanswered, answered
+    otherwise' called it ignored)."""
+    run = make_run("overlap", page_size=1)
+    eng = run.target.engine
+    assert run.apply(Submit(family=0, prompt_len=9, max_new_tokens=4)) == []
+    while not eng.last_batch or len(eng.last_batch.reqs[0].output_ids) + 1 < 4:  # its last token not in flight
+        assert run.apply(Step(1)) == []
+    rid = eng.last_batch.reqs[0].rid
+    assert run.apply(PauseGeneration(mode=PAUSE_MODES.index("retract"))) == []
+    assert run.apply(Abort(handle=0)) == []  # sent while unanswered
+    assert run.apply(Step(1)) == []
+    assert run.apply(ContinueGeneration()) == []
+    assert run.apply(Idle()) == []
+    assert {o.rid: o.reason.value for o in eng.finished_outputs}[rid] == "length"
 
 
 def test_lock_balance_is_checked_at_idle_only(make_run):

@@ -141,18 +141,25 @@ def test_an_interrupted_fuzz_runs_junit_says_what_it_reached(tmp_path, monkeypat
     assert case.find("system-out").text.splitlines() == lines
 
 
+def _ci_json(tmp_path, budget: str = "1") -> str:
+    """The --json of `ci --presets default,retract` (random, ``budget`` seconds; with 0, the shipped regressions
+    replayed only): its path."""
+    import os
+
+    regressions = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions")
+    r = invoke("ci", "--presets", "default,retract", "--fuzzer", "random", "--max-time", budget, "--regressions",
+               str(tmp_path) if budget != "0" else regressions, "--out", str(tmp_path / "o"),
+               "--json", str(tmp_path / "ci.json"))
+    assert r.exit_code == 0, r.output + r.stderr
+    return str(tmp_path / "ci.json")
+
+
 def test_report_of_a_ci_jobs_json_names_its_presets_in_the_clean_junit_case(tmp_path):
     """Tester 66: `kvaudit report` of a `ci --presets default,retract --json` named its one clean JUnit case
     'kvaudit default: no findings' (the first preset's config), where the job ran both; a job that replayed its
     regressions only (--max-time 0) named no preset it ran. Named as the HTML's header names them now."""
-    import os
-
-    regressions = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions")
     for budget, name in (("1", "kvaudit default, retract: no findings"), ("0", "kvaudit ci: no findings")):
-        r = invoke("ci", "--presets", "default,retract", "--fuzzer", "random", "--max-time", budget, "--regressions",
-                   str(tmp_path) if budget != "0" else regressions, "--out", str(tmp_path / "o"),
-                   "--json", str(tmp_path / "ci.json"))
-        assert r.exit_code == 0, r.output + r.stderr
+        _ci_json(tmp_path, budget)
         r = invoke("report", str(tmp_path / "ci.json"), "--junit", str(tmp_path / "again.xml"))
         assert r.exit_code == 0, r.output + r.stderr
         names = [c.get("name") for c in ET.parse(tmp_path / "again.xml").getroot().iter("testcase")]
@@ -163,3 +170,34 @@ def test_report_of_a_ci_jobs_json_names_its_presets_in_the_clean_junit_case(tmp_
     r = invoke("report", str(tmp_path / "fuzz.json"), "--junit", str(tmp_path / "again.xml"))
     assert [c.get("name") for c in ET.parse(tmp_path / "again.xml").getroot().iter("testcase")] == [
         "kvaudit retract: no findings"]
+
+
+def test_report_of_a_ci_jobs_json_names_every_preset_in_the_junit_properties(tmp_path):
+    """`kvaudit report --junit` of a `ci --presets default,retract --json` named the first preset alone in its
+    suite's properties (preset=default, and default's config fields: num_slots, enable_*, ...) where the job ran
+    both: one ``presets`` property names them all now, in run order, and no preset's fields stand for the job's;
+    a ci job that fuzzed none (--max-time 0) names none; a fuzz run's keeps its preset and config."""
+    def properties(report: str) -> dict[str, str]:
+        r = invoke("report", report, "--junit", str(tmp_path / "again.xml"))
+        assert r.exit_code == 0, r.output + r.stderr
+        return {p.get("name"): p.get("value") for p in ET.parse(tmp_path / "again.xml").getroot().iter("property")}
+
+    for budget, presets in (("1", "default,retract"), ("0", "")):
+        _ci_json(tmp_path, budget)
+        assert properties(str(tmp_path / "ci.json")) == {"presets": presets}
+    r = invoke("fuzz", "--preset", "retract", "--fuzzer", "random", "--max-time", "0.5", "--out", str(tmp_path / "o"),
+               "--json", str(tmp_path / "fuzz.json"))
+    assert r.exit_code == 0, r.output + r.stderr
+    props = properties(str(tmp_path / "fuzz.json"))
+    assert props["preset"] == "retract" and "presets" not in props and "num_slots" in props
+
+
+def test_report_of_a_ci_jobs_json_names_every_preset_in_the_sarif_run_properties(tmp_path):
+    """`kvaudit report --sarif` of a `ci --presets default,retract --json` gave the run the first preset's
+    properties (preset default, its bugs, model, page_size and engineConfig) where ci's own SARIF names the job's
+    presets: ``presets`` lists every preset fuzzed, and no one preset's config stands for the job's."""
+    r = invoke("report", _ci_json(tmp_path), "--sarif", str(tmp_path / "again.sarif"))
+    assert r.exit_code == 0, r.output + r.stderr
+    props = json.loads((tmp_path / "again.sarif").read_text())["runs"][0]["properties"]
+    assert props["presets"] == ["default", "retract"], props
+    assert not {"preset", "engineConfig", "bugs", "model", "page_size"} & set(props), props

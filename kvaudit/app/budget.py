@@ -7,8 +7,6 @@ import math
 import time
 from dataclasses import dataclass
 
-from kvaudit.config import json_value
-from kvaudit.constants import MAX_SECONDS, check_at_most_a_year
 
 
 @dataclass(frozen=True)
@@ -32,17 +30,6 @@ class Budget:
 
     def deadline(self) -> float:
         return time.monotonic() + self.seconds
-
-
-def check_seconds(value: float, allow_zero: bool = False) -> float:
-    """``value`` if finite, positive (or 0 with ``allow_zero``) and at most :data:`MAX_SECONDS`. Raises
-    ``ValueError`` with the reason, for the CLI to prefix with the option's name."""
-    if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"must be a finite number of seconds, got {json_value(value)}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"must be a number of seconds {'>= 0' if allow_zero else '> 0'}, got {value:.15g}")
-    check_at_most_a_year(value)
-    return value
 
 
 def duration(seconds: float) -> str:

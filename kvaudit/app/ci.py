@@ -56,8 +56,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     if per_preset > 0:  # (--max-time 0 replays the regressions only: no directory is made or written)
         _prepare_fuzz(out_dir, corpus_dir, fuzzer)
     console, err = make_console(), make_console(stderr=True)
-    result = ci.CiResult()
-    replaying = None  # the regression file whose replay began last (an interrupt there cuts it short)
+    result = ci.CiResult(presets=preset_names if per_preset > 0 else [], files=files)
     catch_sigint()
     try:
         # NOTE: loaded before the header and the first preset's budget; interrupted here, the JUnit is still written
@@ -74,7 +73,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         if per_preset > 0:
             note_campaign_keeps_nothing(fuzzer, target, err)
         for path in files:
-            replaying = path
+            result.replaying = path
             check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
             result.regressions.append(check)
             err.print(f"regression {check.name}: " + ("ok" if check.ok else f"FAILED: {check.problem}"),
@@ -96,7 +95,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
             print_replay_file(console, config, path, suppress_file)
             print_shipped_analysis(console, config, findings, path)
             print_report(console, config, program, findings, closing=False)
-    _print_table(console, result, files, preset_names if per_preset > 0 else [], replaying)
+    _print_table(console, result)
     ran = any(run.executions for run in result.fuzz)
     if sset is not None:  # the presets' campaigns matched; the job's set is the file's
         sset.add_usage(usage for run in result.fuzz for usage in run.suppression_usage)
@@ -190,22 +189,18 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
         raise KeyboardInterrupt
 
 
-def _print_table(console, result, files: list[str], presets: list[str], replaying: str | None = None) -> None:
-    """The job's table: a row per regression file and per preset fuzzed, and one per file or preset ``files`` and
-    ``presets`` (the job's) name that never started (an interrupt, a full disk), saying so; ``replaying``, the file
-    whose replay began last, without its result: the interrupt cut it short."""
+def _print_table(console, result) -> None:
+    """The job's table: a row per regression file and per preset fuzzed, and one per file of ``result.files`` and
+    per preset of ``result.presets`` with no result (an interrupt, a full disk), saying why."""
     t = Table(title="kvaudit ci", title_justify="left")
     t.add_column("check", overflow="fold")
     t.add_column("result", overflow="fold")
-    why = "not run: " + ("interrupted before it started" if result.interrupted else
-                         "the disk was full (a preset before it could not write its finding)")
+    why = result.not_run
     for r in result.regressions:
         t.add_row(f"regression {r.name}", Text("ok", style="green") if r.ok else Text(r.problem, style="bold red"))
-    checked = {r.path for r in result.regressions}
-    for path in files:
-        if path not in checked:
-            t.add_row(f"regression {os.path.splitext(os.path.basename(path))[0]}",
-                      Text("interrupted while it was replayed" if path == replaying else why, style="yellow"))
+    for path in result.not_replayed:
+        t.add_row(f"regression {os.path.splitext(os.path.basename(path))[0]}",
+                  Text(result.not_replayed_why(path), style="yellow"))
     for run in result.fuzz:
         cut = " (interrupted)" if run.interrupted else ""
         t.add_row(f"fuzz {run.preset} ({run.seconds:.1f}s, {run.executions} executions){cut}",
@@ -219,10 +214,8 @@ def _print_table(console, result, files: list[str], presets: list[str], replayin
                   if run.known_open else Text("clean", style="green") if not run.nothing_searched
                   else Text("nothing searched (its share ended before one program ran): raise --max-time",
                             style="bold yellow"))
-    fuzzed = {run.preset for run in result.fuzz}
-    for preset in presets:
-        if preset not in fuzzed:
-            t.add_row(f"fuzz {preset}", Text(why, style="yellow"))
+    for preset in result.not_started:
+        t.add_row(f"fuzz {preset}", Text(why, style="yellow"))
     print_table(console, t)
 
 

@@ -35,6 +35,9 @@ def _class_file(cls: type) -> str:
 STACK_DEPTH = 4
 _STOP, _READ = 1, 2  # owner lookup per code object (see Auditor._code_info)
 OWNER_FRAMES = 3  # innermost engine frames searched for the owner of an allocation
+# per slot, the contents (shadow tags) its latest frees took that a stale read's cause is looked for among: the
+# last one and three before it (a read of content freed under its reader, rewritten and freed again needs two)
+FREED_CONTENTS = 4
 
 
 _PASS_THROUGH: set[int] = set()  # id() of the code of pass_through() wrappers (their functions keep it alive)
@@ -287,6 +290,8 @@ class Auditor(Ledger, PoolWrappers):
         super().uninstall()
         self.__dict__.pop("capture_site", None)
         self.__dict__.pop("on_free", None)
+        if self.shadow is not None:
+            self.shadow.__dict__.pop("copy", None)
 
     def _lean_line(self, f, key: tuple[int, int]) -> int:
         # a frame key's entry in _lean_lines, made once per process: 0 for a framework frame, else its line,
@@ -393,8 +398,17 @@ class Auditor(Ledger, PoolWrappers):
         # (a copy per free; only a report reads it, to tell a stale read's cause: _stale_kv)
         self.tags_at_free = {p: np.zeros_like(t) for p, t in self.shadow.tags.items()
                              if p in self.ledgers and self.ledgers[p].refs is None}
-        self.freed_tags: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # free event id -> (its slots, their tags)
+        # pool -> ([slots, FREED_CONTENTS] tags, the same shape of free event ids, -1 none): per slot the contents
+        # its latest frees took, newest first, each with the latest free that took it (_freed_what_was_wanted);
+        # bounded by the pool (a list of every free's tags grew with the run: 3.4 MB over a 12,000-op replay)
+        self.freed_contents = {p: (np.zeros((t.size, FREED_CONTENTS), np.int64),
+                                   np.full((t.size, FREED_CONTENTS), -1, np.int64)) for p, t in self.tags_at_free.items()}
+        # a copy of unwritten content (never written, or _unwritten) into each slot since its last free: the tag it
+        # put there and the allocation (event id + 1, 0 for none) that handed the content out unwritten. A copy
+        # carries a slot's tag; this, that no allocation wrote it (a demote to host and the load-back)
+        self.carried = {p: (np.zeros_like(t), np.zeros_like(t)) for p, t in self.tags_at_free.items()}
         self.on_free = self._on_free_keeping_tags  # (the wrappers read self.on_free at each call)
+        self.shadow.copy = self._copy_keeping_unwritten  # (the target reads shadow.copy at each call)
 
     def _on_free_keeping_tags(self, pool: str, units, sid: int) -> None:
         # on_free, keeping the shadow tags the freed units' slots held (tags_at_free)
@@ -405,20 +419,56 @@ class Auditor(Ledger, PoolWrappers):
             s = (u[:, None] * ps + np.arange(ps)).reshape(-1) if ps > 1 else u
             s = s[(s >= 0) & (s < kept.size)]
             kept[s] = self.shadow.tags[pool][s]
-            self.freed_tags[len(self.events)] = (s, kept[s])  # (the id Ledger.on_free gives its event)
+            self.carried[pool][1][s] = 0
+            self._keep_freed_contents(pool, s, kept[s], len(self.events))  # (the id Ledger.on_free gives its event)
         Ledger.on_free(self, pool, units, sid)
+
+    def _keep_freed_contents(self, pool: str, slots: np.ndarray, tags: np.ndarray, eid: int) -> None:
+        # free ``eid`` took ``tags`` from ``slots``: each slot's newest entry; a slot whose last free took the same
+        # content (not rewritten since) has that entry's free renewed instead, the older contents kept
+        contents, frees = self.freed_contents[pool]
+        slots, first = np.unique(slots, return_index=True)
+        tags = tags[first]
+        moved = slots[(frees[slots, 0] < 0) | (contents[slots, 0] != tags)]
+        contents[moved, 1:], frees[moved, 1:] = contents[moved, :-1], frees[moved, :-1]
+        contents[slots, 0], frees[slots, 0] = tags, eid
+
+    def _carried(self, pool: str, slots: np.ndarray) -> np.ndarray:
+        # [n] bool: which of ``slots`` hold a copy of unwritten content, as the copy left them (self.carried)
+        tags, origin = self.carried[pool]
+        return (origin[slots] > 0) & (tags[slots] == self.shadow.tags[pool][slots])
+
+    def _unwritten(self, pool: str, slots: np.ndarray) -> np.ndarray:
+        # [n] bool: which of ``slots`` (written: tag not 0) hold content no allocation wrote -- allocated since the
+        # last free and still holding that free's tag, or a copy of unwritten content (_carried)
+        led, tags = self.ledgers[pool], self.shadow.tags[pool][slots]
+        u = slots // led.spec.page_size
+        return self._carried(pool, slots) | (led.allocated[u] & (led.last_alloc[u] > led.last_free[u])
+                                             & (led.last_free[u] >= 0) & (tags == self.tags_at_free[pool][slots]))
+
+    def _copy_keeping_unwritten(self, dst_pool: str, dst, src_pool: str, src) -> None:
+        # shadow.copy (the target's calls), carrying the source slots' unwritten content as such (self.carried)
+        d, s = ShadowKV._idx(dst), ShadowKV._idx(src)
+        if dst_pool in self.carried:
+            handed = np.zeros(s.size, dtype=np.int64)  # the allocation that handed out each source's content, + 1
+            if src_pool in self.carried:
+                led, carried = self.ledgers[src_pool], self._carried(src_pool, s)
+                u = s // led.spec.page_size
+                # (a live slot never written is unwritten too: its allocation is the one that handed it out)
+                never = self.shadow.tags[src_pool][s] == 0
+                old = carried | (led.allocated[u] & (never | self._unwritten(src_pool, s)))
+                handed = np.where(old, np.where(carried, self.carried[src_pool][1][s], led.last_alloc[u] + 1), 0)
+            tags, origin = self.carried[dst_pool]
+            tags[d], origin[d] = self.shadow.tags[src_pool][s], handed
+        ShadowKV.copy(self.shadow, dst_pool, d, src_pool, s)
 
     def _freed_what_was_wanted(self, pool: str, slots: np.ndarray, wanted: np.ndarray) -> int:
         # the latest free (event id) of ``pool`` at which one of ``slots`` held the tag its reader wanted there
-        # (``wanted``, one per slot), -1 for none: that free took the reader's content
-        want = dict(zip(slots.tolist(), wanted.tolist()))
-        for eid in reversed(list(self.freed_tags)):  # (ids ascending, as the frees came)
-            freed, tags = self.freed_tags[eid]
-            hit = np.isin(freed, slots)
-            if hit.any() and self.events[eid].pool == pool and any(
-                    want[s] == t for s, t in zip(freed[hit].tolist(), tags[hit].tolist())):
-                return eid
-        return -1
+        # (``wanted``, one per slot), -1 for none: that free took the reader's content (looked for among each
+        # slot's last FREED_CONTENTS contents)
+        contents, frees = self.freed_contents[pool]
+        took = np.where(contents[slots] == wanted[:, None], frees[slots], -1)
+        return int(took.max()) if took.size else -1
 
     def _stale_kv(self, pool: str, slots, message: str, expected=None) -> None:
         # report(pool, slots, message[, expected]), called by the target's install_shadow: slots any integer
@@ -448,9 +498,7 @@ class Auditor(Ledger, PoolWrappers):
             # written by that allocation: the free did not make the mismatch, the content is older than it
             # (an unwritten slot handed on, e.g. an aborted request's decode slot cached in the tree) -- unless
             # an earlier free took the content the reader wanted (it was rewritten and freed again since)
-            u = written // ps
-            fresh = (led.allocated[u] & (led.last_alloc[u] > led.last_free[u]) & (led.last_free[u] >= 0)
-                     & (self.shadow.tags[pool][written] == kept[written]))
+            fresh = self._unwritten(pool, written)
             if fresh.any() and expected is not None:
                 wanted = np.asarray(expected, dtype=np.int64).ravel()[has]
                 ev = self._freed_what_was_wanted(pool, written[fresh], wanted[fresh])
@@ -462,4 +510,9 @@ class Auditor(Ledger, PoolWrappers):
                 f.free_sites = self.site(self.events[ev].site)
         else:
             f.check = "unwritten"
+            if kept is not None:  # a copy of unwritten content: named by the allocation that handed it out
+                first = slots[slots // ps == slots.min() // ps]  # (the unit _unit_finding named)
+                first = first[self._carried(pool, first)]
+                if first.size:
+                    f.alloc_sites = self.site(self.events[int(self.carried[pool][1][first[0]]) - 1].site)
         self.pending.append(f)

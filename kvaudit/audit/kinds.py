@@ -317,11 +317,12 @@ TABLE: tuple[FindingKind, ...] = (
         labels=(("alloc_sites", "unreleased lock taken at"), ("free_sites", "unmatched release at"))),
     FindingKind(
         "liveness", 7, "Liveness",
-        "A request holding KV, or aborted, made no progress; or one was lost",
+        "A request holding KV, or aborted, made no progress; or one was lost, or its abort ignored",
         "A request that holds KV memory, or that was aborted, made no progress for the liveness "
         "budget of scheduler steps: a parked request nobody schedules, or an abort that never ends "
         "its request, keeps its memory forever. Or a request was lost: the engine went idle with "
-        "it never answered and held nowhere (a retraction that dropped it instead of queueing it).",
+        "it never answered and held nowhere (a retraction that dropped it instead of queueing it). Or the engine "
+        "took an abort of an unanswered request and answered it with another reason (the abort ignored).",
         "warning", ("liveness",),
         lambda f, what, site: f"Liveness: {f.message}",
         signature=_sig_liveness),

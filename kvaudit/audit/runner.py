@@ -251,7 +251,7 @@ class AuditedRun:
             self.target.on_intake(_weakly(self._intake_scan))  # (the target's hook must not keep a closed run)
         self.findings: list[Finding] = []
         self.last_progress: dict[str, tuple[int, int]] = {}  # rid -> (progress value, step it last changed)
-        self.lost_told: set[str] = set()  # the lost requests the liveness oracle reported (each once)
+        self.told_once: set[str] = set()  # the lost requests (and ignored aborts) the liveness oracle reported
         self.flushes_checked = 0  # successful flush_cache requests already checked for quiescence
         self.ops_run = 0
         self.crashed = False  # an op raised: the run ends there (apply() is a no-op from then on)

@@ -112,7 +112,8 @@ def _docstring(text: str) -> str:
 def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str, server: str,
                   env: list[str], hold_tokens: int = 256, planted: str | None = None,
                   pool_blocks: int | None = None, max_model_len: int | None = None,
-                  release: str | None = None, unseen: str | None = None, unsent: str | None = None) -> str:
+                  release: str | None = None, unseen: str | None = None, unsent: str | None = None,
+                  engine_consts: tuple[str, ...] = ()) -> str:
     """The script's text for ``plan``: ``source`` (the replay file), ``launch`` (the server command),
     ``kind`` (the first finding's), ``server`` (what a server shows), ``env`` (variables the launch
     needs), ``planted`` (kvaudit's planted fault, or None), ``pool_blocks`` (vLLM: the pool's usable
@@ -120,7 +121,8 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
     --context-length), ``release`` (the release, with why it
     is named, e.g. "0.16.0 (the release that ships the bug)", when not the one the routes were read on),
     ``unseen`` (``EngineExport.unseen_pool``'s sentence for the finding's pool, or None), ``unsent``
-    (``EngineExport.unsent``'s sentence: what of the program no client can send, or None). Raises
+    (``EngineExport.unsent``'s sentence: what of the program no client can send, or None), ``engine_consts``
+    (``EngineExport.client_consts``' lines for the finding's config). Raises
     ``KeyError`` for an engine with no HTTP table."""
     ex = export_for(plan.engine)
     api, part = ex.api, ex.client
@@ -152,7 +154,7 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
               f"DEFAULT_URL = {part.url!r}", f"UNSEEN = {unseen!r}", f"UNSENT = {unsent!r}"]
     if part.server_keys:
         consts.append(part.server_keys)
-    consts += list(part.consts)
+    consts += list(part.consts) + list(engine_consts)
     if pool_blocks is not None:
         consts.append(f"POOL_BLOCKS = {pool_blocks}")
     if max_model_len is not None:

@@ -99,7 +99,7 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
             plan, title=title, source=os.path.basename(path), launch=launch, kind=kind, server=server, env=env,
             planted=planted, pool_blocks=pool_blocks,
             release=None if release is None else f"{release[0]} (the release {why})",
-            max_model_len=max_model_len, unseen=unseen, unsent=unsent))
+            max_model_len=max_model_len, unseen=unseen, unsent=unsent, engine_consts=ex.client_consts(config)))
         os.chmod(client_path, 0o755)
     if issue_out is not None:
         text = render_issue(config=config, title=title, program_lines=[format_op(op) for op in program],

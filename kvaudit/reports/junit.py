@@ -67,7 +67,8 @@ def failure_text(f: Finding, count: int = 1, engine: RecordedEngine | None = Non
 def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
              clean_case: str | None = None, recorded: Mapping[str, str] | None = None, seconds: float = 0.0,
              found_after: float | None = None, search: Mapping | None = None,
-             skipped: tuple[str, str] | None = None, notes: list[str] | tuple = ()) -> str:
+             skipped: tuple[str, str] | None = None, notes: list[str] | tuple = (),
+             presets: list[str] | None = None) -> str:
     """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
     name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
     kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells
@@ -79,7 +80,9 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     case for a run that did not check all it was asked to (``interrupted``: Ctrl-C or SIGTERM cut it short;
     ``nothing searched``: its budget ended before one program ran), which then has no passing ``clean_case``.
     ``notes``: the clean case's ``<system-out>`` lines (what the programs reached: a clean run's scope), or the
-    skipped case's (what the programs that ran reached)."""
+    skipped case's (what the programs that ran reached). ``presets``: the presets a job over several (``kvaudit
+    ci``'s) ran, named in one ``presets`` property (comma-separated; empty for a ci job that fuzzed none) in place
+    of ``config``'s fields, which are one preset's."""
     on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
     for f in findings:
@@ -101,11 +104,13 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     counts = dict.fromkeys(("tests", "failures", "errors"), "0")  # (placed here; document() counts the cases)
     root = ET.Element("testsuites", name=xml_text(suite_name), **counts, time=f"{seconds:.2f}")
     suite = ET.SubElement(root, "testsuite", name=xml_text(suite_name), **counts, skipped="0", time=f"{seconds:.2f}")
-    if config is not None or search:
+    if config is not None or search or presets is not None:
         props = ET.SubElement(suite, "properties")
         for key, v in (search or {}).items():
             ET.SubElement(props, "property", name=xml_text(f"search_{key}"), value=xml_text(str(v)))
-    if config is not None:
+    if presets is not None:
+        ET.SubElement(props, "property", name="presets", value=xml_text(",".join(presets)))
+    elif config is not None:
         d = config.to_dict()
         d["bugs"] = ",".join(sorted(d.get("bugs", [])))
         head = ("preset", "bugs", "model", "page_size")

@@ -120,6 +120,12 @@ def _sarif(data: ReportData) -> str:
         unique.setdefault(f.signature, f)
     baseline = None if data.known_open is None else {s: "unchanged" if s in data.known else "new" for s in unique}
     log = to_sarif(list(unique.values()), data.config, baseline, recorded=data.recorded)
+    names = _preset_names(data)
+    if names != [data.config.preset]:  # a job over several presets (ci's --json read again): none stands for it
+        props = log["runs"][0].setdefault("properties", {})
+        for key in ("preset", "engineConfig", "bugs", "model", "page_size"):  # (the first preset's)
+            props.pop(key, None)
+        props["presets"] = names
     search = search_facts(data.extra)
     if search:  # which search ran: the fuzzer's name and its --seed (the engine config's seed is engineConfig's)
         log["runs"][0].setdefault("properties", {})["search"] = search
@@ -134,20 +140,27 @@ def _sarif(data: ReportData) -> str:
 def _junit(data: ReportData) -> str:
     from kvaudit.reports.junit import to_junit
 
-    return to_junit(data.findings, data.config, clean_case=f"kvaudit {_presets(data)}: no findings",
+    names = _preset_names(data)
+    return to_junit(data.findings, data.config, clean_case=f"kvaudit {_presets(data, names)}: no findings",
                     recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
                     found_after=data.extra.get("first_hit_seconds"), search=search_facts(data.extra),
-                    skipped=not_all_checked(data), notes=_reach_lines(data))
+                    skipped=not_all_checked(data), notes=_reach_lines(data),
+                    presets=None if names == [data.config.preset] else names)
 
 
-def _presets(data: ReportData) -> str:
-    """The presets a clean JUnit case names: a job's (``ran``; ``kvaudit ci``'s ``--json`` read again by ``kvaudit
-    report``: those its ``reached`` counts name, else ``ci``, which then replayed its regressions only), as the
-    HTML's header does; else ``config``'s."""
-    names = list(dict.fromkeys(c.preset for c in data.ran)) or [p for p, _ in _reached(data) if p]
-    if not names and data.extra.get("job") == "kvaudit ci":
-        return "ci"
-    return ", ".join(names or [data.config.preset])
+def _preset_names(data: ReportData) -> list[str]:
+    """The presets a job ran, in run order: ``ran``'s; else (``kvaudit ci``'s ``--json`` read again by ``kvaudit
+    report``) those its ``reached`` counts or its cases with findings name; else, but for a ``ci`` job (which then replayed its
+    regressions only: none), ``config``'s."""
+    names = list(dict.fromkeys(c.preset for c in data.ran)) or list(dict.fromkeys(
+        [p for p, _ in _reached(data) if p] + [c.config.preset for c in data.cases if c.config is not None and c.findings]))
+    return names or ([] if data.extra.get("job") == "kvaudit ci" else [data.config.preset])
+
+
+def _presets(data: ReportData, names: list[str]) -> str:
+    """The presets a clean JUnit case names (:func:`_preset_names`), as the HTML's header does; ``ci`` for a ``ci``
+    job that fuzzed none."""
+    return ", ".join(names) or "ci"
 
 
 def _reached(data: ReportData) -> list[tuple[str, list[str]]]:

@@ -83,6 +83,31 @@ class CiResult:
     regressions: list[RegressionCheck] = field(default_factory=list)
     fuzz: list[FuzzRun] = field(default_factory=list)
     interrupted: bool = False
+    presets: list[str] = field(default_factory=list)  # the presets the job was to fuzz, in run order
+    files: list[str] = field(default_factory=list)  # the regression files it was to replay, in order
+    replaying: str | None = None  # the file whose replay began last (an interrupt there cut it short)
+
+    @property
+    def not_replayed(self) -> list[str]:
+        """The files of :attr:`files` with no result: :attr:`replaying` cut short, or never started."""
+        checked = {r.path for r in self.regressions}
+        return [p for p in self.files if p not in checked]
+
+    def not_replayed_why(self, path: str) -> str:
+        """Why ``path`` (of :attr:`not_replayed`) has no result, in words (the job's table and JUnit)."""
+        return "interrupted while it was replayed" if path == self.replaying else self.not_run
+
+    @property
+    def not_started(self) -> list[str]:
+        """The presets of :attr:`presets` whose fuzzing never started (an interrupt, a full disk before them)."""
+        fuzzed = {run.preset for run in self.fuzz}
+        return [p for p in self.presets if p not in fuzzed]
+
+    @property
+    def not_run(self) -> str:
+        """Why a regression file or a preset never started, in words (the job's table and JUnit)."""
+        return "not run: " + ("interrupted before it started" if self.interrupted else
+                              "the disk was full (a preset before it could not write its finding)")
 
     @property
     def failed(self) -> bool:
@@ -283,10 +308,12 @@ def _presets_properties(props: dict, ran: tuple) -> None:
 
 
 def junit(result: CiResult) -> str:
-    """Two suites: ``kvaudit.regressions`` (a case per regression file) and ``kvaudit.fuzz`` (per preset, a
+    """Two suites: ``kvaudit.regressions`` (a case per regression file, skipped for one of
+    :attr:`CiResult.not_replayed`) and ``kvaudit.fuzz`` (per preset, a
     case ``PRESET: no new findings`` that passes, listing the known ones still open, or is skipped as
-    ``PRESET: nothing searched`` or ``PRESET: interrupted``; a failing case per new signature; a skipped case
-    ``interrupted`` when the job was stopped)."""
+    ``PRESET: nothing searched``, ``PRESET: interrupted`` or, for a preset of :attr:`CiResult.presets` that never
+    started, ``PRESET: not run``; a failing case per new signature; a skipped case ``interrupted`` when the job
+    was stopped)."""
     root, reg, fz = ci_outputs.suites()
     for r in result.regressions:
         case = ET.SubElement(reg, "testcase", classname="kvaudit.regressions", name=xml_text(r.name),
@@ -297,6 +324,10 @@ def junit(result: CiResult) -> str:
         elif not r.ok:
             fail = ET.SubElement(case, "failure", message=xml_text(r.problem), type="regression")
             fail.text = xml_text(f"{r.path}\nsignature: {r.signature}\n{r.problem}\n")
+    for path in result.not_replayed:  # what never ran to its end is not a pass: a skipped case each, as the table's
+        case = ET.SubElement(reg, "testcase", classname="kvaudit.regressions",
+                             name=xml_text(os.path.splitext(os.path.basename(path))[0]), time="0.00")
+        ET.SubElement(case, "skipped", message=xml_text(result.not_replayed_why(path)))
     for run in result.fuzz:
         if not run.new and not run.unwritten:  # known findings (the corpus's, still open) pass: listed, not hidden
             what = ("nothing searched" if run.nothing_searched else "interrupted" if run.interrupted else
@@ -326,6 +357,9 @@ def junit(result: CiResult) -> str:
                                      time=f"{run.seconds:.2f}")
                 ET.SubElement(case, "failure", message="found but not written (disk full)",
                               type=xml_text(sig.split("/", 1)[0])).text = xml_text(f"replay file not written: {path}\n")
+    for preset in result.not_started:  # what never ran is not a pass: a skipped case each, as the table's row
+        add = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{preset}", name=f"{preset}: not run", time="0.00")
+        ET.SubElement(add, "skipped", message=xml_text(result.not_run))
     if result.interrupted:
         ci_outputs.add_skipped(fz)
     return ci_outputs.document(root)

@@ -153,13 +153,16 @@ def check_url(url: str) -> None:
 
 def connect(url: str, timeout: float = 5.0, check: bool = True):
     """A ``redis.Redis`` client for ``url`` that answered a PING (``check``; else not tried yet: a
-    worker starts offline rather than not at all). Raises :class:`HubError` (no redis-py, nothing
+    worker starts offline rather than not at all). Raises :class:`HubError` (no redis-py or a broken one, nothing
     answering, authentication) and :class:`BadURL`, each one line."""
     check_url(url)
     try:
         import redis
-    except ImportError:
-        raise HubError("--db needs redis-py: pip install redis (or pip install 'kvaudit[fleet]')") from None
+    except ImportError as e:
+        if e.name == "redis":  # (redis-py itself missing; else a module redis-py imports: it said which)
+            raise HubError("--db needs redis-py: pip install redis (or pip install 'kvaudit[fleet]')") from None
+        raise HubError(f"--db: redis-py is installed but cannot be imported here: {type(e).__name__}: {e} "
+                       "(a broken install: pip install --force-reinstall redis)") from None
     try:
         client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     except ValueError as e:

@@ -435,8 +435,9 @@ class Target:
 
     def progress(self) -> dict[str, int]:
         """Per live request, a number that grows while it makes progress (the liveness oracle);
-        :data:`LOST` for one the engine holds nowhere, never answered (reported at once); ``{}``
-        (default): not checked."""
+        :data:`LOST` for one the engine holds nowhere, never answered, and :data:`ABORT_IGNORED` for one
+        answered otherwise after the engine took its abort while it was unanswered (each reported at once);
+        ``{}`` (default): not checked."""
         return {}
 
     def flushed(self) -> int:
@@ -572,6 +573,9 @@ def _kv_pools_problem(target, specs) -> str | None:
 
 
 LOST = -2  # Target.progress(): a request sent, never answered, that the engine holds nowhere
+#: Target.progress(): a request the engine took an abort for while it was unanswered, then answered with
+#: another reason (the abort ignored: it ran on to its end)
+ABORT_IGNORED = -3
 
 #: every term an identity may name (:meth:`Target.identity_terms`)
 IDENTITY_TERMS = ("available", "evictable", "protected", "session_held", "uncached", "referenced")

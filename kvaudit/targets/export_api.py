@@ -123,6 +123,10 @@ def _no_sizes(_config) -> tuple[int | None, int | None]:
     return None, None
 
 
+def _no_consts(_config) -> tuple[str, ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class EngineExport:
     """What ``kvaudit export`` needs of one engine.
@@ -138,7 +142,8 @@ class EngineExport:
     described as ``kvaudit bugs`` lists them, or None (a finding in the engine as shipped; the default,
     :func:`planted_faults` without descriptions: any name in ``bugs`` is planted);
     ``client_sizes(config)`` ``(pool_blocks, max_model_len)`` the script checks against (None: not
-    used); ``batch_submits``: submits of one scheduler intake with the same session go in one request
+    used); ``client_consts(config)``: lines ``NAME = value`` of the script that its engine part reads for
+    ``config`` (how a call is sent on this config: vLLM's ``RESET_RUNNING``; default none); ``batch_submits``: submits of one scheduler intake with the same session go in one request
     (else one streaming request per submit, ``same_step_note`` saying what a client cannot promise
     then); ``ignored_ops``: op kinds the target ignores (the script sends nothing); ``deferred_flush``:
     the engine takes a flush's timeout (else a deferred flush is sent at once, as the target does);
@@ -166,6 +171,7 @@ class EngineExport:
     launch_env: Callable = _keep_env
     planted: Callable[[object], str | None] = planted_faults({})
     client_sizes: Callable[[object], tuple[int | None, int | None]] = _no_sizes
+    client_consts: Callable[[object], tuple[str, ...]] = _no_consts
     batch_submits: bool = False
     same_step_note: str = ""
     ignored_ops: tuple[str, ...] = ()

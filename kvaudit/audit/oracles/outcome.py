@@ -12,10 +12,11 @@ import traceback
 from kvaudit.audit import memstate
 from kvaudit.audit.findings import KVAUDIT_DIR, Finding, Site, portable_path
 from kvaudit.audit.oracles.lock_balance import lock_balance
-from kvaudit.targets.base import LOST
+from kvaudit.targets.base import ABORT_IGNORED, LOST
 
 MAX_IDLE_STEPS = 2000
 LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
+AT_ONCE = (LOST, ABORT_IGNORED)  # the progress values reported at once, and once per request
 WATCHDOG_HANG = "engine step did not return within"  # the message of a watchdog hang starts so
 
 
@@ -46,18 +47,21 @@ def liveness(run) -> list[Finding]:
         last = run.last_progress.get(rid)
         seen[rid] = last if last is not None and last[0] == value else (value, now)
     run.last_progress = seen
-    # (a lost request is reported once: suppressed, it was built again at every check while the engine idled)
-    told = run.lost_told
+    # (a lost request, or an ignored abort, is reported once: suppressed, it was built again at every check)
+    told = run.told_once
     stuck = sorted(rid for rid, (value, since) in seen.items()
-                   if (rid not in told if value == LOST else now - since >= LIVENESS_STEPS))
+                   if (rid not in told if value in AT_ONCE else now - since >= LIVENESS_STEPS))
     if not stuck:
         return []
     run.last_progress = {}
-    if seen[stuck[0]][0] == LOST:
+    value = seen[stuck[0]][0]
+    if value in AT_ONCE:
         told.add(stuck[0])
-    state = "lost" if seen[stuck[0]][0] == LOST else "aborted" if seen[stuck[0]][0] < 0 else "holds-kv"
+    state = ("lost" if value == LOST else "abort-ignored" if value == ABORT_IGNORED else "aborted" if value < 0
+             else "holds-kv")
     what = {"lost": "lost: never answered, and the engine holds it nowhere", "aborted": "aborted, never finished",
-            "holds-kv": "holds KV"}[state]
+            "abort-ignored": "its abort ignored: the engine took the abort while it was unanswered, then answered "
+                             "it with another reason", "holds-kv": "holds KV"}[state]
     # its signature names where the request sits (Root.where) and what it is, never its id; a lost request,
     # what last handled it (Target.dropped_by: the path that dropped it)
     where = next((r.where for r in run.target.roots() if r.owner == f"req:{stuck[0]}" and r.where), "")
@@ -66,7 +70,7 @@ def liveness(run) -> list[Finding]:
                 check=f"{where or '-'}:{state}" + f"/{by}" * bool(by),
                 message=f"req:{stuck[0]} ({what}{f', in {where}' if where else ''}"
                         + f"; last handled by {by}" * bool(by) + ")"
-                        + ("" if state == "lost" else f" made no progress for {LIVENESS_STEPS} steps")
+                        + ("" if value in AT_ONCE else f" made no progress for {LIVENESS_STEPS} steps")
                         + (f"; also {', '.join(stuck[1:4])}" if len(stuck) > 1 else ""))
     return attach_engine_verdict(run.target, [f])
 

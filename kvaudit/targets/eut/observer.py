@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from itertools import repeat
 
 import numpy as np
@@ -31,6 +32,16 @@ from kvaudit.targets.base import (Accounting, IdleRoots, LockImbalance, Recount,
 RECOUNT_EDITS_FROM = 256
 #: Target.checking() reads the live requests once from this many requests running or waiting
 OWNERS_ONCE_FROM = 64
+
+
+@pass_through  # (between engine frames: a release's stack goes on to the intake that took the abort)
+def _taking_abort(handle, taken: list[int], outs: list, rid, abort_all) -> None:
+    """The engine's ``handle_abort`` in an audited run (bound by ``partial``): first appends to ``taken`` how many
+    outputs the engine had emitted when it took the abort. The k-th abort taken is the k-th the client sent
+    (``abort_named``), so :meth:`EutTarget.progress` tells, at idle, the requests it named that were still
+    unanswered then (one finished by a message taken ahead of the abort is not hit)."""
+    taken.append(len(outs))
+    return handle(rid, abort_all)
 
 
 class EutObserver(Target):
@@ -385,6 +396,10 @@ class EutObserver(Target):
             self.evictions.install(tree, wrap)
         if spec.name == "req_to_token_pool":
             self.released_by = None if auditor.lean else self._record_releases(wrap)
+            # (lean too: what it records is a finding's detection; one append per abort taken, nothing per step)
+            self.abort_taken = taken = []
+            wrap(self.engine, "handle_abort", partial(_taking_abort, self.engine.handle_abort, taken,
+                                                      self.engine.finished_outputs))
 
     #: the plumbing between a request's release and the path that chose it: the release entries and a
     #: retraction's release (retract_decode, a priority preemption and a retract pause share release_req)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_under_test import EngineConfig, Scheduler
+from engine_under_test import EngineConfig, FinishReason, Scheduler
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail)
 from kvaudit.program.schema import pick, resolve_submit
-from kvaudit.targets.base import LOST, PoolSpec, kv_length_problems
+from kvaudit.targets.base import ABORT_IGNORED, LOST, PoolSpec, kv_length_problems
 from kvaudit.targets.eut.observer import EutObserver
 
 
@@ -95,6 +95,9 @@ class EutTarget(EutObserver):
     """
 
     name = "eut"
+    #: an audited run's (:meth:`install_pool`): per abort message the engine took, the outputs it had emitted by then
+    abort_taken: list[int] = ()
+    abort_ignored: frozenset[str] = frozenset()  # the rids an abort hit while unanswered, answered otherwise
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -109,6 +112,7 @@ class EutTarget(EutObserver):
         self._scheduler_paused = False  # a pause_generation(in_place | retract) was sent, no continue yet
         self._finished: set[str] = set()
         self._seen_outputs = 0
+        self.abort_named: list[list[str]] = []  # per abort message sent, the live rids it names (in order)
         self._session_turns = self._failed_transfers = 0  # reach()'s counts
         s = self.engine
         self._pools = [
@@ -172,7 +176,9 @@ class EutTarget(EutObserver):
             mode = PAUSE_MODES[op.mode]
             self._holding = True
             if mode == "abort":  # the tokenizer aborts everything; the scheduler keeps running
-                self.aborted.update(self.live_rids())
+                live = self.live_rids()
+                self.aborted.update(live)
+                self.abort_named.append(live)
                 eng.abort_request(abort_all=True)
             else:
                 eng.pause_generation(mode)
@@ -212,10 +218,12 @@ class EutTarget(EutObserver):
             if op.handle is None:
                 eng.abort_request(abort_all=True)
                 self.aborted.update(live)
+                self.abort_named.append(live)
             elif live:
                 rid = pick(op.handle, live)
                 eng.abort_request(rid)
                 self.aborted.add(rid)
+                self.abort_named.append([rid])
         else:
             raise TypeError(f"op {op!r} does not go through apply()")
 
@@ -320,18 +328,37 @@ class EutTarget(EutObserver):
         """Per live request that holds KV or was aborted: a number that grows while it makes progress
         (KV positions committed plus tokens sampled; -1 for an aborted request that holds nothing).
         Once the engine is fully idle, every request sent and not answered is :data:`LOST`: no queue,
-        batch or staging area holds it (a retraction or preemption that dropped it). Empty while the
-        scheduler is paused: nothing is expected to progress."""
+        batch or staging area holds it (a retraction or preemption that dropped it); and every request an
+        abort named that was still unanswered when the engine took the abort, then answered with another
+        reason, is :data:`ABORT_IGNORED` (``_taking_abort``). Empty while the scheduler is paused:
+        nothing is expected to progress."""
         eng = self.engine
         if self._scheduler_paused:
             return {}
         if self._idle():  # (the tokenizer's held requests are not sent yet: not in live_rids())
-            return dict.fromkeys(self.live_rids(), LOST)
+            out = dict.fromkeys(self.live_rids(), LOST)
+            if self.abort_taken:  # (idle: every abort sent was taken, and every request it hit answered)
+                self._judge_aborts()
+            if self.abort_ignored:
+                out.update(dict.fromkeys(self.abort_ignored, ABORT_IGNORED))
+            return out
         out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) + len(r.future_ids) for r in eng.requests_owning_rows()}
         if self.aborted:  # live_rids() walks the finished outputs: only when an abort was sent
             for rid in self.aborted.intersection(self.live_rids()):
                 out.setdefault(rid, -1)
         return out
+
+    def _judge_aborts(self) -> None:
+        # the aborts taken since the last idle check: each request one named, answered after the engine took
+        # it (its output's index at least the count then), must be answered with the abort reason
+        taken, outs, abort = self.abort_taken, self.engine.finished_outputs, FinishReason.ABORT
+        otherwise = {o.rid: i for i, o in enumerate(outs[taken[0]:], taken[0]) if o.reason != abort}
+        ignored = {rid for emitted, rids in zip(taken, self.abort_named) for rid in rids
+                   if otherwise.get(rid, -1) >= emitted}
+        if ignored:
+            self.abort_ignored = self.abort_ignored | ignored
+        del self.abort_named[:len(taken)]
+        taken.clear()
 
     def quiescence(self) -> list[tuple[str, str]]:
         """After a successful ``flush_cache`` (the engine was idle): every pool is full again, the

@@ -84,9 +84,6 @@ def flag_line(config) -> tuple[list[str], list[str], list[str]]:
         flags += ["--disaggregation-mode decode", f"--num-reserved-decode-tokens {c.num_reserved_decode_tokens}"]
     if c.disaggregation_mode == "prefill":
         flags.append("--disaggregation-mode prefill")
-        unmapped.append(f"bootstrap_timeout_steps={c.bootstrap_timeout_steps}, waiting_timeout_steps="
-                        f"{c.waiting_timeout_steps}: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / _WAITING_TIMEOUT "
-                        "(seconds) in the server's environment")
     if c.enable_hisparse:
         unmapped.append(f"num_slots={c.num_slots} is HiSparse's physical device pool here (the logical pool is "
                         f"{c.hisparse_host_to_device_ratio}x); which of the two --max-total-tokens sizes under "
@@ -119,8 +116,59 @@ def flag_line(config) -> tuple[list[str], list[str], list[str]]:
         else:
             flags += ["--speculative-draft-model-path DRAFT_MODEL", f"--speculative-num-steps {c.speculative_num_steps}",
                       f"--speculative-eagle-topk {c.speculative_eagle_topk}"]
-    more = _policy_flags(c)
-    return flags + more[0], env + more[1], unmapped + more[2]
+    more, pd = _policy_flags(c), _pd_flags(c)
+    return flags + more[0] + pd[0], env + more[1] + pd[1], unmapped + more[2] + pd[2]
+
+
+def _pd_flags(c) -> tuple[list[str], list[str], list[str]]:
+    # flag_line's part for PD disaggregation's timeouts (environment variables, sglang/srt/environ.py; seconds:
+    # kvaudit's PD clock advances one second a step) and the stand-ins kvaudit plays where a server has a
+    # prefill or decode peer, a wire, or CUDA copies, whose timing no flag sets
+    flags: list[str] = []
+    env: list[str] = []
+    unmapped: list[str] = []
+    if c.need_sort != (c.disaggregation_mode in ("decode", "prefill")):  # (kv_cache_configurator.py derives it)
+        unmapped.append(f"need_sort={str(c.need_sort).lower()} (the allocator's sorted frees; SGLang sorts them in a "
+                        "PD server only)")
+    if c.disaggregation_mode == "decode":
+        env.append(f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE={int(c.deferred_kv_release)}")
+        if c.deferred_kv_release:
+            env.append(f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={c.deferred_release_timeout_steps}")
+        acked = "never, so only the deferred-release deadline frees it" if c.abort_ack_steps is None else \
+            f"{c.abort_ack_steps} steps later"
+        unmapped.append(f"transfer_latency_steps={c.transfer_latency_steps}, abort_ack_steps={c.abort_ack_steps} "
+                        "(kvaudit plays the prefill server and the wire: a transfer lands that many steps after its "
+                        f"metadata is sent, and prefill acknowledges an aborted transfer's drain {acked}; on a server "
+                        "both are the prefill server's and the network's)")
+        if c.kv_checksum_mismatch_every is not None:  # (sglang/srt/arg_groups/fields/disagg.py: on both servers)
+            flags.append("--disaggregation-enable-kv-checksum")
+            env.append(f"SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB={1 / c.kv_checksum_mismatch_every:g}")
+            unmapped.append(f"kv_checksum_mismatch_every={c.kv_checksum_mismatch_every} (kvaudit's wire corrupts "
+                            "every Nth landed transfer; SGLang's test-only injector flips a request's digest with "
+                            "probability 1/N instead; launch the prefill server with --disaggregation-enable-kv-checksum "
+                            "too)")
+    if c.disaggregation_mode == "prefill":
+        env += [f"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT={c.bootstrap_timeout_steps}",
+                f"SGLANG_DISAGGREGATION_WAITING_TIMEOUT={c.waiting_timeout_steps}"]
+        lost = "" if c.bootstrap_lost_every is None else \
+            f", every {c.bootstrap_lost_every}th request's never (bootstrap_lost_every)"
+        reads = "; a chunk already on the wire is read to its end after its transfer failed " \
+            "(prefill_reads_after_failure)" if c.prefill_reads_after_failure else ""
+        unmapped.append(f"bootstrap_steps={c.bootstrap_steps}, transfer_latency_steps={c.transfer_latency_steps} "
+                        f"(kvaudit plays the decode server and the wire: a request's decode side bootstraps that many "
+                        f"steps after it arrives{lost}, and a transfer lands transfer_latency_steps after it is "
+                        f"sent{reads}; on a server these are the decode server's and the network's)")
+    if c.fake_bootstrap_every is not None:  # (io_struct.py's GenerateReqInput.bootstrap_host; disaggregation/utils.py)
+        unmapped.append(f"fake_bootstrap_every={c.fake_bootstrap_every} (every Nth request carried bootstrap_host "
+                        "2.2.2.2, SGLang's FAKE_BOOTSTRAP_HOST, here; the script does not send it: add "
+                        "\"bootstrap_host\": \"2.2.2.2\" to those /generate bodies)")
+    if c.enable_hisparse and c.hisparse_staging_steps:
+        unmapped.append(f"hisparse_staging_steps={c.hisparse_staging_steps} (kvaudit's staging copy stays in flight "
+                        "that many steps; on a server it takes what the CUDA copy takes)")
+    if c.enable_hierarchical_cache:
+        unmapped.append(f"hicache_ack_steps={c.hicache_ack_steps} (kvaudit's host-tier copies are acknowledged that "
+                        "many steps after submission; on a server they take what the copy takes)")
+    return flags, env, unmapped
 
 
 def _policy_flags(c) -> tuple[list[str], list[str], list[str]]:
@@ -138,6 +186,8 @@ def _policy_flags(c) -> tuple[list[str], list[str], list[str]]:
                        ("SGLANG_REQ_RUNNING_TIMEOUT", c.request_running_timeout_steps)):
         if steps is not None:  # seconds: kvaudit's clock advances one second a step
             env.append(f"{var}={steps}")
+    if c.strict_mem_check_during_busy:  # (sglang/srt/environ.py; the busy check SGLang 0.5.10-0.5.11 ran only so)
+        env.append("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1")
     if c.enable_hierarchical_cache and c.hicache_storage_backend is not None:
         extra = {"prefetch_threshold": c.hicache_storage_prefetch_threshold,  # as hicache_l3.py configures it
                  "prefetch_timeout_base": c.hicache_storage_prefetch_timeout_steps, "prefetch_timeout_per_ki_token": 0}
@@ -333,8 +383,10 @@ def curl_lines(plan, url: str) -> list[str]:
     for c in plan.calls:
         a = c.args
         if c.kind == "open_session":
-            out.append(post("open_session", {"capacity_of_str_len": 1000, "session_id": a["session"],
-                                             "streaming": a["streaming"]}))
+            body = {"capacity_of_str_len": 1000, "session_id": a["session"], "streaming": a["streaming"]}
+            if a["timeout"] is not None:  # (seconds: the program's steps, as the flush_cache line counts them)
+                body["timeout"] = a["timeout"]
+            out.append(post("open_session", body))
         elif c.kind == "generate":
             items = a["items"]
             params = [{"max_new_tokens": i.max_new_tokens, "temperature": 0.0, "ignore_eos": True} for i in items]

@@ -48,8 +48,9 @@ API = EngineApi(
                          "-> abort -> Scheduler.finish_requests(FINISHED_ABORTED)); abort(handle=None) closes "
                          "every open stream; a request that has already answered (its blocks held by a KV "
                          "connector's send) has no connection left to close"),
-        "flush_cache": ApiCall("POST", "/reset_prefix_cache", "(no body; reset_running_requests and "
-                                                              "reset_external false, as the target calls it)",
+        "flush_cache": ApiCall("POST", "/reset_prefix_cache", "(no body; query reset_running_requests=true "
+                                                              "where the config's flush_running is, reset_external "
+                                                              "false, as the target calls it)",
                                True, "needs VLLM_SERVER_DEV_MODE=1; a deferred flush (timeout) does not exist "
                                      "in vLLM and is sent at once"),
         "open_session": ApiCall(None, None, "(none)", True,
@@ -279,9 +280,12 @@ VLLM_API = r'''
                     pass
         time.sleep(self.gap)
 
-    def flush_cache(self, timeout=0, label=""):
-        """POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1): {"success": false} while blocks are held."""
-        return self.send(label or "reset_prefix_cache", "POST", "/reset_prefix_cache")
+    def flush_cache(self, timeout=None, label=""):
+        """POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1): {"success": false} while blocks are held.
+        ``timeout``: the program's flush ops pass theirs (vLLM has no deferred flush: sent at once) and, with
+        RESET_RUNNING, preempt the running requests as the program did; the script's own flushes pass none."""
+        query = "?reset_running_requests=true" if RESET_RUNNING and timeout is not None else ""
+        return self.send(label or "reset_prefix_cache", "POST", "/reset_prefix_cache" + query)
 
     def health(self, label=""):
         self.send(label or "health", "GET", "/health")
@@ -423,6 +427,7 @@ EXPORT = EngineExport(
         f"a model with a {c.sliding_window}-token sliding window beside full attention, as said above"),
     launch=launch_line("vllm serve MODEL", vllm_flag_line), planted=planted_faults(FAULTS),
     client_sizes=lambda c: (c.num_gpu_blocks - 1, c.max_model_len),
+    client_consts=lambda c: (f"RESET_RUNNING = {c.flush_running!r}  # flush_running: a flush resets running requests",),
     expected_pool="the pool does not come back (with every stream ended and nothing running, kv_cache_usage_perc > 0 "
                   "or /reset_prefix_cache answers success=false), or the server fails",
     same_step_note="sent --gap seconds after the previous submit of the same scheduler step: vLLM's engine core "

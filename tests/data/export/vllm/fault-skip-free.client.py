@@ -54,6 +54,7 @@ DEFAULT_URL = 'http://127.0.0.1:8000'
 UNSEEN = None
 UNSENT = None
 LEASE_WAIT = 40.0  # s: NIXL's default kv_lease_duration (30 s) and a margin
+RESET_RUNNING = False  # flush_running: a flush resets running requests
 POOL_BLOCKS = 63
 MAX_MODEL_LEN = 512
 APPROXIMATIONS = []
@@ -236,9 +237,12 @@ class Client:
                     pass
         time.sleep(self.gap)
 
-    def flush_cache(self, timeout=0, label=""):
-        """POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1): {"success": false} while blocks are held."""
-        return self.send(label or "reset_prefix_cache", "POST", "/reset_prefix_cache")
+    def flush_cache(self, timeout=None, label=""):
+        """POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1): {"success": false} while blocks are held.
+        ``timeout``: the program's flush ops pass theirs (vLLM has no deferred flush: sent at once) and, with
+        RESET_RUNNING, preempt the running requests as the program did; the script's own flushes pass none."""
+        query = "?reset_running_requests=true" if RESET_RUNNING and timeout is not None else ""
+        return self.send(label or "reset_prefix_cache", "POST", "/reset_prefix_cache" + query)
 
     def health(self, label=""):
         self.send(label or "health", "GET", "/health")
