@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from engine_under_test import EngineConfig, Scheduler
+from engine_under_test.schedule_batch import EXTEND
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail)
 from kvaudit.program.schema import pick, resolve_submit
@@ -291,7 +292,67 @@ class EutTarget(EutObserver):
         if cfg.enable_hicache:
             count(eng.tree_cache, "_backup", "hicache_backups")
             count(eng.tree_cache, "load_back", "hicache_load_backs", lambda out, *a, **k: int(out is not None))
+        if not eng.tree_cache.disable:
+            self._count_evictions(counts)
+            if cfg.is_pd_decode:
+                count(eng, "_pre_alloc", "prefix_hits",
+                      lambda out, req, *a: int(req.prefix_indices is not None and req.prefix_indices.numel() > 0))
+        if not cfg.is_pd_decode:
+            self._count_batches(counts)
         return counts
+
+    def _count_evictions(self, counts: dict[str, int]) -> None:
+        """``evictions_for_alloc``: allocations short of free slots that evicted part of the tree (``_evict_for``:
+        extend, decode, PD pre-allocation), read from the tree's evictable size around the call."""
+        eng, counts["evictions_for_alloc"] = self.engine, 0
+        tree, evict_for = eng.tree_cache, eng._evict_for
+
+        def counted(num_tokens: int) -> None:
+            before = tree.evictable_size()
+            evict_for(num_tokens)
+            counts["evictions_for_alloc"] += tree.evictable_size() < before
+
+        eng._evict_for = counted
+
+    def _count_batches(self, counts: dict[str, int]) -> None:
+        """The scheduling paths of aggregated serving, read once a step from the batch ``get_next_batch_to_run``
+        returns (and, under overlap, from the lagged result ``process_batch_result`` ends): with the tree,
+        ``prefix_hits`` (requests admitted on a cached prefix of the tree, not a session's borrowed record); with
+        chunked prefill, ``chunks_parked`` (prefill batches after which a request stays parked as ``chunked_req``,
+        its next chunk in a later step);
+        with mixed chunk, ``mixed_batches`` (prefill batches with decode rows); with overlap, ``deferred_finishes``
+        (requests a result processed one step after its batch ran finished: by length or an abort since)."""
+        eng, cfg = self.engine, self.config
+        keys = [k for k, on in (("prefix_hits", not eng.tree_cache.disable),
+                                ("chunks_parked", cfg.chunked_prefill_size is not None),
+                                ("mixed_batches", cfg.enable_mixed_chunk)) if on]
+        counts.update(dict.fromkeys(keys, 0))
+        if keys:
+            next_batch = eng.get_next_batch_to_run
+
+            def counted_next():
+                chunked = eng.chunked_req
+                batch = next_batch()
+                if batch is not None and batch.forward_mode == EXTEND:
+                    if "prefix_hits" in counts:
+                        counts["prefix_hits"] += sum(r is not chunked and id(r) not in batch.decode_ids and r.prefix_len > 0
+                                                     and r.prefix_indices is not None for r in batch.reqs)
+                    if eng.chunked_req is not None and "chunks_parked" in counts:
+                        counts["chunks_parked"] += any(r is eng.chunked_req for r in batch.reqs)
+                    if batch.decode_ids and "mixed_batches" in counts:
+                        counts["mixed_batches"] += 1
+                return batch
+
+            eng.get_next_batch_to_run = counted_next
+        if cfg.enable_overlap:
+            counts["deferred_finishes"], process = 0, eng.process_batch_result
+
+            def counted_result(batch):
+                live = [r for r in batch.reqs if not r.finished()]
+                process(batch)
+                counts["deferred_finishes"] += sum(r.finished() for r in live)
+
+            eng.process_batch_result = counted_result
 
     def _text(self, rid: str) -> list[int]:
         """The prompt and output so far of submitted request ``rid`` (a session turn: its own input)."""
