@@ -18,8 +18,8 @@ import torch
 from engine_under_test import BUGS, FinishReason, PoolIntegrityError, Scheduler
 
 from kvaudit.targets.eut.presets import PRESETS, get_preset
-from kvaudit.program import (PAUSE_MODES, Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, PauseGeneration,
-                             Step, Submit)
+from kvaudit.program import (PAUSE_MODES, Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,
+                             PauseGeneration, Step, Submit)
 from kvaudit.audit.runner import LIVENESS_STEPS, AuditedRun, execute
 
 EOS = 1
@@ -1021,8 +1021,9 @@ def _reach_of(preset: str, ops) -> dict[str, int]:
     # the lagged result finishes the request; one aborted while waiting never ran in a batch
     ("overlap", "deferred_finishes", [Submit(0, 10, 3), Idle()], [Submit(0, 10, 3), Abort(0), Idle()]),
     # 128 slots: a second 90-token prompt evicts the first's cached 92 tokens; two of 20 fit beside each other
+    # (memory pressure evicts the whole tree, for no allocation)
     ("retract", "evictions_for_alloc", [Submit(0, 90, 2), Idle(), Submit(1, 90, 2), Idle()],
-     [Submit(0, 20, 2), Idle(), Submit(1, 20, 2), Idle()]),
+     [Submit(0, 20, 2), Idle(), MemoryPressure(), Idle(), Submit(1, 20, 2), Idle()]),
 ], ids=["prefix-hits", "chunked", "mixed", "overlap", "evictions"])
 def test_a_path_is_counted_where_a_program_takes_it_and_not_where_it_cannot(preset, path, reaches, cannot):
     """The built-in engine's reach() said nothing of the scheduling paths its presets exist for: a clean

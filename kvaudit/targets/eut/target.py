@@ -3,16 +3,20 @@ would send them, and liveness inputs) over :class:`kvaudit.targets.eut.observer.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import torch
 
 from engine_under_test import EngineConfig, Scheduler
-from engine_under_test.schedule_batch import EXTEND
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail)
 from kvaudit.program.schema import pick, resolve_submit
 from kvaudit.targets.base import LOST, PoolSpec, kv_length_problems
 from kvaudit.targets.eut.observer import EutObserver
+
+_ENGINE_DIR = os.path.dirname(sys.modules[Scheduler.__module__].__file__) + os.sep  # engine_under_test/
 
 
 class SessionRecords:
@@ -302,45 +306,54 @@ class EutTarget(EutObserver):
         return counts
 
     def _count_evictions(self, counts: dict[str, int]) -> None:
-        """``evictions_for_alloc``: allocations short of free slots that evicted part of the tree (``_evict_for``:
-        extend, decode, PD pre-allocation), read from the tree's evictable size around the call."""
-        eng, counts["evictions_for_alloc"] = self.engine, 0
-        tree, evict_for = eng.tree_cache, eng._evict_for
+        """``evictions_for_alloc``: evictions from the tree that freed tokens for an allocation (``_evict_for``:
+        extend, decode, PD pre-allocation; a HiCache load-back), not a memory-pressure message's (which
+        ``process_input_requests`` makes). A wrapper on the tree's ``evict``, which runs only when an allocation
+        is short or at memory pressure; its engine caller is read then."""
+        tree, counts["evictions_for_alloc"] = self.engine.tree_cache, 0
+        evict = tree.evict
 
-        def counted(num_tokens: int) -> None:
-            before = tree.evictable_size()
-            evict_for(num_tokens)
-            counts["evictions_for_alloc"] += tree.evictable_size() < before
+        def counted(num_tokens: int) -> int:
+            freed = evict(num_tokens)
+            if freed:
+                f = sys._getframe(1)
+                while f is not None and not f.f_code.co_filename.startswith(_ENGINE_DIR):
+                    f = f.f_back
+                counts["evictions_for_alloc"] += f is not None and f.f_code.co_name != "process_input_requests"
+            return freed
 
-        eng._evict_for = counted
+        tree.evict = counted
 
     def _count_batches(self, counts: dict[str, int]) -> None:
-        """The scheduling paths of aggregated serving, read once a step from the batch ``get_next_batch_to_run``
-        returns (and, under overlap, from the lagged result ``process_batch_result`` ends): with the tree,
-        ``prefix_hits`` (requests admitted on a cached prefix of the tree, not a session's borrowed record); with
-        chunked prefill, ``chunks_parked`` (prefill batches after which a request stays parked as ``chunked_req``,
-        its next chunk in a later step);
-        with mixed chunk, ``mixed_batches`` (prefill batches with decode rows); with overlap, ``deferred_finishes``
-        (requests a result processed one step after its batch ran finished: by length or an abort since)."""
+        """The scheduling paths of aggregated serving, read from the prefill batch ``alloc_for_extend`` is given
+        (mixed chunk: the batch ``get_next_batch_to_run`` returns; overlap: the lagged result ``process_batch_result``
+        ends): with the tree, ``prefix_hits`` (requests admitted on a cached prefix of the tree, not a session's
+        borrowed record); with chunked prefill, ``chunks_parked`` (prefill batches after which a request stays
+        parked as ``chunked_req``, its next chunk in a later step); with mixed chunk, ``mixed_batches`` (prefill
+        batches with decode rows); with overlap, ``deferred_finishes`` (requests a result processed one step
+        after its batch ran finished: by length or an abort since)."""
         eng, cfg = self.engine, self.config
-        keys = [k for k, on in (("prefix_hits", not eng.tree_cache.disable),
-                                ("chunks_parked", cfg.chunked_prefill_size is not None),
-                                ("mixed_batches", cfg.enable_mixed_chunk)) if on]
-        counts.update(dict.fromkeys(keys, 0))
-        if keys:
-            next_batch = eng.get_next_batch_to_run
+        hits, chunks = not eng.tree_cache.disable, cfg.chunked_prefill_size is not None
+        if hits or chunks:
+            counts.update(dict.fromkeys([k for k, on in (("prefix_hits", hits), ("chunks_parked", chunks)) if on], 0))
+            alloc_for_extend = eng.alloc_for_extend
+
+            def counted_extend(batch) -> None:
+                if hits:  # (a chunk's continuation holds its row already)
+                    counts["prefix_hits"] += sum(not r.kv.holds_kv and r.prefix_len > 0 and r.prefix_indices is not None
+                                                 for r in batch.reqs)
+                alloc_for_extend(batch)
+                if chunks and eng.chunked_req is not None:
+                    counts["chunks_parked"] += any(r is eng.chunked_req for r in batch.reqs)
+
+            eng.alloc_for_extend = counted_extend
+        if cfg.enable_mixed_chunk:
+            counts["mixed_batches"], next_batch = 0, eng.get_next_batch_to_run
 
             def counted_next():
-                chunked = eng.chunked_req
                 batch = next_batch()
-                if batch is not None and batch.forward_mode == EXTEND:
-                    if "prefix_hits" in counts:
-                        counts["prefix_hits"] += sum(r is not chunked and id(r) not in batch.decode_ids and r.prefix_len > 0
-                                                     and r.prefix_indices is not None for r in batch.reqs)
-                    if eng.chunked_req is not None and "chunks_parked" in counts:
-                        counts["chunks_parked"] += any(r is eng.chunked_req for r in batch.reqs)
-                    if batch.decode_ids and "mixed_batches" in counts:
-                        counts["mixed_batches"] += 1
+                if batch is not None and batch.decode_ids:
+                    counts["mixed_batches"] += 1
                 return batch
 
             eng.get_next_batch_to_run = counted_next
