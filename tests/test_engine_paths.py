@@ -18,8 +18,8 @@ import torch
 from engine_under_test import BUGS, FinishReason, PoolIntegrityError, Scheduler
 
 from kvaudit.targets.eut.presets import PRESETS, get_preset
-from kvaudit.program import (PAUSE_MODES, Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, PauseGeneration,
-                             Step, Submit)
+from kvaudit.program import (PAUSE_MODES, Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,
+                             PauseGeneration, Step, Submit)
 from kvaudit.audit.runner import LIVENESS_STEPS, AuditedRun, execute
 
 EOS = 1
@@ -1001,3 +1001,73 @@ def test_a_clean_run_counts_the_path_its_preset_exists_for(monkeypatch, preset, 
         stats.executions += 1
         assert not run_program(config, program, stats, None, time.monotonic() + 3600)[1]
     assert stats.reached[path] == sum(calls) > 0, dict(stats.reached)
+
+
+def _reach_of(preset: str, ops) -> dict[str, int]:
+    with AuditedRun(get_preset(preset).config()) as run:
+        for op in ops:
+            assert run.apply(op) == []
+        return run.target.reach()
+
+
+@pytest.mark.parametrize("preset, path, reaches, cannot", [
+    # a second prompt of the same family matches the first's cached prefix; another family's cannot
+    ("default", "prefix_hits", [Submit(0, 20, 2), Idle(), Submit(0, 20, 2), Idle()],
+     [Submit(0, 20, 2), Idle(), Submit(1, 20, 2), Idle()]),
+    # 80 tokens in 32-token chunks park as chunked_req twice; 20 tokens fit one chunk
+    ("chunked", "chunks_parked", [Submit(0, 80, 2), Idle()], [Submit(0, 20, 2), Idle()]),
+    # a request decoding when a second one's prefill runs; one request alone never mixes
+    ("mixed-chunk", "mixed_batches", [Submit(0, 10, 8), Step(2), Submit(1, 10, 2), Idle()], [Submit(0, 10, 8), Idle()]),
+    # the lagged result finishes the request; one aborted while waiting never ran in a batch
+    ("overlap", "deferred_finishes", [Submit(0, 10, 3), Idle()], [Submit(0, 10, 3), Abort(0), Idle()]),
+    # 128 slots: a second 90-token prompt evicts the first's cached 92 tokens; two of 20 fit beside each other
+    # (memory pressure evicts the whole tree, for no allocation)
+    ("retract", "evictions_for_alloc", [Submit(0, 90, 2), Idle(), Submit(1, 90, 2), Idle()],
+     [Submit(0, 20, 2), Idle(), MemoryPressure(), Idle(), Submit(1, 20, 2), Idle()]),
+], ids=["prefix-hits", "chunked", "mixed", "overlap", "evictions"])
+def test_a_path_is_counted_where_a_program_takes_it_and_not_where_it_cannot(preset, path, reaches, cannot):
+    """The built-in engine's reach() said nothing of the scheduling paths its presets exist for: a clean
+    `kvaudit fuzz --preset chunked` printed `reached: aborts=..., flushes=..., retractions=...` whether or not a
+    prompt ever parked between chunks (and likewise mixed batches, overlap's lagged results, prefix hits and the
+    evictions an allocation makes). Each is counted now: 0 on a program that cannot take the path, more on one
+    that does."""
+    assert _reach_of(preset, cannot)[path] == 0
+    assert _reach_of(preset, reaches)[path] > 0
+
+
+@pytest.mark.parametrize("preset, absent", [
+    ("default", {"chunks_parked", "mixed_batches", "deferred_finishes"}),
+    ("chunked", {"mixed_batches", "deferred_finishes"}),
+    ("pd-decode", {"prefix_hits", "evictions_for_alloc", "chunks_parked"}),
+    ("hisparse", {"prefix_hits", "evictions_for_alloc"}),
+])
+def test_a_path_the_config_has_no_feature_for_is_not_counted(preset, absent):
+    """A counter of a feature the config lacks (chunks without chunked prefill, the tree's paths with the tree
+    off) would print as `not reached: ... (not searched)`, as if more search could reach it."""
+    assert not absent & set(_reach_of(preset, [Submit(0, 20, 2), Idle()]))
+
+
+def test_pd_decode_counts_the_prefix_hits_of_its_pre_allocation(monkeypatch):
+    """PD decode with the decode-side tree pre-allocates on a locked prefix match (only the suffix is
+    transferred): prefix_hits counts those pre-allocations, as many as the engine's own calls with a match."""
+    import random
+    import time
+
+    from kvaudit.program import random_program
+    from kvaudit.program.schema import max_prompt
+    from kvaudit.search.fuzz import FuzzStats, run_program
+    from kvaudit.targets import program_features
+
+    real, hits = Scheduler._pre_alloc, []
+
+    def counted(self, req, fill_len):
+        hits.append(req.prefix_indices is not None and req.prefix_indices.numel() > 0)
+        return real(self, req, fill_len)
+
+    monkeypatch.setattr(Scheduler, "_pre_alloc", counted)
+    config, rng, stats = get_preset("pd-decode-radix").config(), random.Random(0), FuzzStats()
+    for _ in range(4):
+        program = random_program(rng, 96, max_prompt=max_prompt(config.context_len), features=program_features(config))
+        stats.executions += 1
+        assert not run_program(config, program, stats, None, time.monotonic() + 3600)[1]
+    assert stats.reached["prefix_hits"] == sum(hits) > 0 and not all(hits), dict(stats.reached)

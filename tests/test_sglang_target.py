@@ -1034,3 +1034,40 @@ def test_a_clean_priority_fuzz_run_counts_its_priority_preemptions(tmp_path):
         counts[preset] = reached(r.stdout)
     assert 0 < counts["sglang-priority"]["priority_preemptions"] <= counts["sglang-priority"]["retractions"], counts
     assert "priority_preemptions" not in counts["sglang"], counts
+
+
+def _sglang_reach(preset: str, ops) -> dict[str, int]:
+    with AuditedRun(SGLANG_PRESETS[preset].config()) as run:
+        for op in ops:
+            assert run.apply(op) == [], run.findings
+        return run.target.reach()
+
+
+@pytest.mark.parametrize("preset, path, reaches, cannot", [
+    # 40 tokens in 16-token chunks park as chunked_req twice; 8 tokens fit one chunk
+    ("sglang-chunked", "chunks_parked", [Submit(0, 40, 2), Idle()], [Submit(0, 8, 2), Idle()]),
+    # a request decoding when a second one's prefill runs; one request alone never mixes
+    ("sglang-mixed", "mixed_batches", [Submit(0, 8, 8), Step(2), Submit(1, 8, 2), Idle()], [Submit(0, 8, 8), Idle()]),
+    # the lagged result finishes the request; one aborted while waiting never ran in a batch
+    ("sglang-overlap", "deferred_finishes", [Submit(0, 8, 3), Idle()], [Submit(0, 8, 3), Abort(0), Idle()]),
+    # sglang-evict-priority runs 3 at most: a fourth request with a priority past the threshold (10) over the
+    # running ones' (none given) preempts; one with none waits
+    ("sglang-evict-priority", "priority_preemptions",
+     [Submit(i, 8, 12) for i in range(3)] + [Step(2), Submit(3, 8, 2, priority=9), Idle()],
+     [Submit(i, 8, 12) for i in range(3)] + [Step(2), Submit(3, 8, 2), Idle()]),
+], ids=["chunked", "mixed", "overlap", "evict-priority"])
+def test_a_scheduling_path_is_counted_where_a_program_takes_it_and_not_where_it_cannot(preset, path, reaches, cannot):
+    """SGLang's chunked prefill, mixed chunk and overlap scheduling had no counter: a clean `kvaudit fuzz --preset
+    sglang-mixed` printed `reached: aborts_processed=..., retractions=..., sglang_result_batches=...` whether or not
+    a request ever parked between chunks, decoded inside a prefill batch or was finished by a lagged result. Each
+    is counted now: 0 on a program that cannot take the path, more on one that does. sglang-evict-priority ran 8
+    requests, so no random program of 500 met a full batch and preempted (priority_preemptions=0); it runs 3 now."""
+    assert _sglang_reach(preset, cannot)[path] == 0
+    assert _sglang_reach(preset, reaches)[path] > 0
+
+
+def test_pd_prefill_chunks_are_counted_by_its_own_counter_only():
+    """PD prefill sends its chunks through its own processor (prefill_chunks_sent): chunks_parked stayed 0 there,
+    a path no search could take."""
+    counts = _sglang_reach("sglang-pd-prefill-chunked", [Submit(0, 40, 2), Idle()])
+    assert "chunks_parked" not in counts and "prefill_chunks_sent" in counts, counts

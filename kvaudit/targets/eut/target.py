@@ -3,6 +3,9 @@ would send them, and liveness inputs) over :class:`kvaudit.targets.eut.observer.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import torch
 
@@ -12,6 +15,8 @@ from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneratio
 from kvaudit.program.schema import pick, resolve_submit
 from kvaudit.targets.base import ABORT_IGNORED, LOST, PoolSpec, kv_length_problems
 from kvaudit.targets.eut.observer import EutObserver
+
+_ENGINE_DIR = os.path.dirname(sys.modules[Scheduler.__module__].__file__) + os.sep  # engine_under_test/
 
 
 class SessionRecords:
@@ -299,7 +304,76 @@ class EutTarget(EutObserver):
         if cfg.enable_hicache:
             count(eng.tree_cache, "_backup", "hicache_backups")
             count(eng.tree_cache, "load_back", "hicache_load_backs", lambda out, *a, **k: int(out is not None))
+        if not eng.tree_cache.disable:
+            self._count_evictions(counts)
+            if cfg.is_pd_decode:
+                count(eng, "_pre_alloc", "prefix_hits",
+                      lambda out, req, *a: int(req.prefix_indices is not None and req.prefix_indices.numel() > 0))
+        if not cfg.is_pd_decode:
+            self._count_batches(counts)
         return counts
+
+    def _count_evictions(self, counts: dict[str, int]) -> None:
+        """``evictions_for_alloc``: evictions from the tree that freed tokens for an allocation (``_evict_for``:
+        extend, decode, PD pre-allocation; a HiCache load-back), not a memory-pressure message's (which
+        ``process_input_requests`` makes). A wrapper on the tree's ``evict``, which runs only when an allocation
+        is short or at memory pressure; its engine caller is read then."""
+        tree, counts["evictions_for_alloc"] = self.engine.tree_cache, 0
+        evict = tree.evict
+
+        def counted(num_tokens: int) -> int:
+            freed = evict(num_tokens)
+            if freed:
+                f = sys._getframe(1)
+                while f is not None and not f.f_code.co_filename.startswith(_ENGINE_DIR):
+                    f = f.f_back
+                counts["evictions_for_alloc"] += f is not None and f.f_code.co_name != "process_input_requests"
+            return freed
+
+        tree.evict = counted
+
+    def _count_batches(self, counts: dict[str, int]) -> None:
+        """The scheduling paths of aggregated serving, read from the prefill batch ``alloc_for_extend`` is given
+        (mixed chunk: the batch ``get_next_batch_to_run`` returns; overlap: the lagged result ``process_batch_result``
+        ends): with the tree, ``prefix_hits`` (requests admitted on a cached prefix of the tree, not a session's
+        borrowed record); with chunked prefill, ``chunks_parked`` (prefill batches after which a request stays
+        parked as ``chunked_req``, its next chunk in a later step); with mixed chunk, ``mixed_batches`` (prefill
+        batches with decode rows); with overlap, ``deferred_finishes`` (requests a result processed one step
+        after its batch ran finished: by length or an abort since)."""
+        eng, cfg = self.engine, self.config
+        hits, chunks = not eng.tree_cache.disable, cfg.chunked_prefill_size is not None
+        if hits or chunks:
+            counts.update(dict.fromkeys([k for k, on in (("prefix_hits", hits), ("chunks_parked", chunks)) if on], 0))
+            alloc_for_extend = eng.alloc_for_extend
+
+            def counted_extend(batch) -> None:
+                if hits:  # (a chunk's continuation holds its row already)
+                    counts["prefix_hits"] += sum(not r.kv.holds_kv and r.prefix_len > 0 and r.prefix_indices is not None
+                                                 for r in batch.reqs)
+                alloc_for_extend(batch)
+                if chunks and eng.chunked_req is not None:
+                    counts["chunks_parked"] += any(r is eng.chunked_req for r in batch.reqs)
+
+            eng.alloc_for_extend = counted_extend
+        if cfg.enable_mixed_chunk:
+            counts["mixed_batches"], next_batch = 0, eng.get_next_batch_to_run
+
+            def counted_next():
+                batch = next_batch()
+                if batch is not None and batch.decode_ids:
+                    counts["mixed_batches"] += 1
+                return batch
+
+            eng.get_next_batch_to_run = counted_next
+        if cfg.enable_overlap:
+            counts["deferred_finishes"], process = 0, eng.process_batch_result
+
+            def counted_result(batch):
+                live = [r for r in batch.reqs if not r.finished()]
+                process(batch)
+                counts["deferred_finishes"] += sum(r.finished() for r in live)
+
+            eng.process_batch_result = counted_result
 
     def _text(self, rid: str) -> list[int]:
         """The prompt and output so far of submitted request ``rid`` (a session turn: its own input)."""

@@ -598,8 +598,9 @@ _preset("sglang-evict-tlru", "--radix-eviction-policy tlru (Tail-Optimized LRU: 
          "enable_streaming_session": True, "session_streaming": False, "context_len": 96})
 _preset("sglang-evict-priority", "--radix-eviction-policy priority (lower-priority requests' prefixes go "
                                  "first) with priority scheduling, 128 slots: allocations evict part of the "
-                                 "tree, page 1",
-        {"radix_eviction_policy": "priority", "enable_priority_scheduling": True, "num_slots": 128})
+                                 "tree; 3 running, so that a higher-priority request preempts; page 1",
+        {"radix_eviction_policy": "priority", "enable_priority_scheduling": True, "num_slots": 128,
+         "max_running_requests": 3})
 _preset("sglang-evict-slru", "--radix-eviction-policy slru (segmented LRU, protected from 2 hits), 128 slots: "
                              "allocations evict part of the tree, page 4",
         {"radix_eviction_policy": "slru", "radix_eviction_policy_config": '{"protected_threshold": 2}',

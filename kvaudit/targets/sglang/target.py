@@ -81,6 +81,11 @@ class SglangTarget(SglangDriver, SglangObserver):
         assert len(loops) <= 1, loops
         self.loop = loops[0] if loops else None
         self._chunked_abort = False  # inside process_pending_chunked_abort: no feature's release()
+        self._batch_paths = dict.fromkeys(
+            [k for k, on in (("chunks_parked", config.chunked_prefill_size is not None  # (PD prefill: prefill_chunks_sent)
+                                               and config.disaggregation_mode != "prefill"),
+                             ("mixed_batches", config.enable_mixed_chunk), ("deferred_finishes", config.enable_overlap))
+             if on], 0)  # reach()'s counts of the results processed (_process)
         built = [o for o in (f.build(config) for f in self.features) if o is not None]
         assert len(built) <= 1, "two features built SGLang's objects"
         o = built[0] if built else build(config)
@@ -231,9 +236,25 @@ class SglangTarget(SglangDriver, SglangObserver):
         super()._release(req, checkpoint)
 
     def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
+        paths = self._batch_paths
+        live = [r for r in reqs if not r.finished()] if "deferred_finishes" in paths else ()
         super()._process(kind, reqs, chunked, decoding)
         for f in self.features:
             f.after_process()
+        if paths:
+            self._count_batch(paths, kind, chunked, decoding, live)
+
+    def _count_batch(self, paths: dict[str, int], kind: str, chunked, decoding, live) -> None:
+        """reach()'s counts of one processed result: with chunked prefill, ``chunks_parked`` (prefill batches
+        that left a request parked as ``chunked_req``, its next chunk in a later batch); with mixed chunk,
+        ``mixed_batches`` (prefill batches whose running requests decoded in them); under overlap,
+        ``deferred_finishes`` (requests ``live`` before the result, processed one step late, that it finished)."""
+        if kind == "extend" and chunked is not None and "chunks_parked" in paths:
+            paths["chunks_parked"] += 1
+        if kind == "extend" and decoding and "mixed_batches" in paths:
+            paths["mixed_batches"] += 1
+        if live:
+            paths["deferred_finishes"] += sum(r.finished() for r in live)
 
     def _hisparse_coordinator(self):
         return next((c for c in (f.hisparse_coordinator() for f in self.features) if c is not None), None)
@@ -266,13 +287,13 @@ class SglangTarget(SglangDriver, SglangObserver):
         """The shared driver's counters (requests retracted, by decode retraction or priority preemption,
         and with priority scheduling those preempted; with sessions, turns sent into an open session; allocations
         that evicted from the tree, not with the tree off, where nothing is evictable; SGLang's result processing:
-        ``results_reach``), then each feature's."""
+        ``results_reach``; the chunked, mixed and overlap paths of :meth:`_count_batch`), then each feature's."""
         more = {"priority_preemptions": self.priority_preemptions} if self.config.enable_priority_scheduling else {}
         if not self.tree_cache.disable:
             more["evictions_for_alloc"] = self.evictions_for_alloc
         if self.session_controller is not None:
             more["session_turns"] = sum(map(len, self.session_turns.values()))
-        return self._fold("reach", {"retractions": self.retractions, **more, **self.results_reach()})
+        return self._fold("reach", {"retractions": self.retractions, **more, **self.results_reach(), **self._batch_paths})
 
 
 def _seam(name: str, hook: str, combine: str):
