@@ -655,9 +655,27 @@ def test_a_skipped_free_of_a_one_step_request_is_not_the_rejected_draft_leak():
     named it, as the rejected drafts' block of fault-leak-rejected-draft-blocks.json (both faults drop table
     entries and keep their refs; found by `kvaudit fuzz --target vllm --preset vllm --bug skip-free --seed 1
     --corpus DIR`, and on vllm-spec). What the target recorded of the block's table tells them apart: the
-    request's whole table went with the block in it (table:lost), or the table went on without it (table:cut)."""
+    request's whole table went with the block in it (from:<where its request sat>), or the table went on
+    without it (table:cut). The one-step request reads as the same fault of a request a check saw running
+    (from:running; before, table:lost: one bug, two signatures in every skip-free campaign), and so does a
+    block a checked request took in the step it was dropped (its other blocks' finding)."""
     config, program, draft, _ = replay.load(os.path.join(ROOT, "corpora", "vllm", "fault-leak-rejected-draft-blocks.json"))
-    found = execute(cfg("vllm", bugs=frozenset({"skip-free"})), [Submit(0, 1, 1), Step(1)]).signatures
-    assert found == [f"leak/{POOL}/schedule@scheduler.py/table:lost"], found
+    skip = cfg("vllm", bugs=frozenset({"skip-free"}))
+    found = execute(skip, [Submit(0, 1, 1), Step(1)]).signatures
+    assert found == [f"leak/{POOL}/schedule@scheduler.py/from:running"], found
+    checked = execute(skip, [Submit(0, 16, 2), Step(2)]).signatures  # a block in step 1, another in step 2
+    assert checked == [f"leak/{POOL}/schedule@scheduler.py/from:running"], checked
     cut = execute(config, program).signatures
     assert cut == [f.signature for f in draft] == [f"leak/{POOL}/schedule@scheduler.py/table:cut"], cut
+
+
+def test_a_rejected_draft_block_an_abort_freed_just_before_is_not_blamed_on_the_abort():
+    """leak-rejected-draft-blocks where a block the previous check saw req 0 hold is freed by req 0's abort
+    and handed, in the same step, to another request's draft positions, then cut off its table: the leak is
+    the draft cut's (table:cut), not the abort's release (the core's earlier-allocation rule read req 0, no
+    root any more, as the owner of the new allocation: .../_free_request_blocks@scheduler.py; found by
+    seeds of `random_program` on vllm-spec, minimized)."""
+    program = [Submit(0, 1, 1), Submit(0, 1, 1), Submit(0, 1, 1), Submit(0, 1, 3), Submit(0, 1, 1), Submit(0, 7, 9),
+               Step(2), Abort(0), Step(1)]
+    found = execute(cfg("vllm-spec", bugs=frozenset({"leak-rejected-draft-blocks"})), program).signatures
+    assert found == [f"leak/{POOL}/schedule@scheduler.py/table:cut"], found

@@ -132,7 +132,7 @@ ORACLES: list[Oracle] = [
     Oracle("free-list", "pool", lambda s, p: p.pool in s.free_lists and not p.found,
            lambda s, p: replay_free_list(s.auditor, p.pool, p.led, s.free_lists[p.pool]), ("accounting-drift",),
            into="drift"),
-    Oracle("leaks", "engine", lambda s: True, lambda s: leaks(s.auditor, s.target, s.leaked, s.prev_owner),
+    Oracle("leaks", "engine", lambda s: True, lambda s: leaks(s.auditor, s.target, s.leaked, s.prev_owner, s.by_pool),
            ("leak",)),
     Oracle("target", "engine", lambda s: not s.scan_only, lambda s: target_findings(s.auditor, s.target),
            KINDS),  # a target's own invariants may raise any kind

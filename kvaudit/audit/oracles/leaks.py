@@ -11,10 +11,11 @@ from kvaudit.audit.oracles.grouping import group_by_site, release_frame
 
 
 def leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray],
-           prev_owner: dict[str, np.ndarray]) -> list[Finding]:
+           prev_owner: dict[str, np.ndarray], roots: dict[str, list]) -> list[Finding]:
     """Leaks of ``leaked`` (pool -> ``[n] int64`` units no root reaches), *indirect* when reachable only
     from a leaked request row, else *direct* (as LeakSanitizer), grouped by allocation site and by
-    where the units lost their last owner (``prev_owner``: each pool's owner ids at the previous check)."""
+    where the units lost their last owner (``prev_owner``: each pool's owner ids at the previous check;
+    ``roots``: this check's roots by pool)."""
     rows = leaked.get("req_to_token_pool")
     via_rows = (target.units_of_rows(rows) if rows is not None else None) or {}
     out = []
@@ -22,7 +23,7 @@ def leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray],
         held = via_rows.get(pool)
         indirect = units[np.isin(units, held)] if held is not None and held.size else units[:0]
         direct = np.setdiff1d(units, indirect)
-        lost = _lost_sites(auditor, target, pool, units, prev_owner)
+        lost = _lost_sites(auditor, target, pool, units, prev_owner, roots)
         if direct.size:
             out.extend(group_by_site(auditor, "leak", pool, direct, "allocated, unreachable from every root",
                                       second=lost))
@@ -34,25 +35,25 @@ def leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray],
     return out
 
 def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
-                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple]:
+                prev_owner: dict[str, np.ndarray], roots: dict[str, list]) -> dict[int, tuple]:
     # unit -> (site id, where[, by]) it lost its last owner (docs/internals/audit.md, leak attribution)
     # a leak re-reported at a later check keeps the attribution it had when first seen
     memo, last = auditor.lost_memo.setdefault(pool, {}), auditor.ledgers[pool].last_alloc
     out = {u: memo[u][1] for u in units.tolist() if u in memo and memo[u][0] == last[u]}
     if len(out) < units.size:
         fresh = np.array([u for u in units.tolist() if u not in out], dtype=np.int64)
-        for u, lost in _attribute(auditor, target, pool, fresh, prev_owner).items():
+        for u, lost in _attribute(auditor, target, pool, fresh, prev_owner, roots).items():
             memo[u] = (int(last[u]), lost)
             out[u] = lost
     return out
 
 def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
-               prev_owner: dict[str, np.ndarray]) -> dict[int, tuple]:
+               prev_owner: dict[str, np.ndarray], roots: dict[str, list]) -> dict[int, tuple]:
     # by the row that maps the unit; else by its owner at the previous check (a unit allocated since: the
-    # owner of its earlier allocation); else, for an owner that freed nothing, the place it was dropped from;
+    # owner of its earlier allocation, if that owner is still a root); else, for an owner that freed nothing, the place it was dropped from;
     # else, for a unit no owner held, what the target says lost it (Target.lost_by: (-1, "", by))
     frees = [ev for ev in reversed(auditor.events[auditor.checked_upto:]) if ev.kind == "free"]
-    had = prev_owner[pool][units]
+    had = _earlier_owner(auditor, pool, units, prev_owner, roots)
     out = _by_row(auditor, target, pool, units, prev_owner, frees)
     rest = np.array([u for u in units.tolist() if u not in out], dtype=np.int64)
     if rest.size:
@@ -61,7 +62,9 @@ def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
         out.update(_by_owner(pool, rest, owners, frees, prev_owner, first_only=True))
         born = np.array([u for u, o in zip(rest.tolist(), owners.tolist()) if o == 0 and u not in out], dtype=np.int64)
         if born.size:
-            out.update(_by_owner(pool, born, prev_owner[pool][born], frees, prev_owner, first_only=False))
+            earlier = dict(zip(units.tolist(), had.tolist()))
+            out.update(_by_owner(pool, born, np.array([earlier[u] for u in born.tolist()], dtype=np.int64), frees,
+                                 prev_owner, first_only=False))
     where = auditor.owner_where  # an owner that freed nothing: the place it was dropped from
     for u, oid in zip(units.tolist(), had.tolist()):
         if u not in out and oid > 0:
@@ -70,6 +73,19 @@ def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
     by = target.lost_by(pool, rest) if rest.size else None  # no owner, no release: what the target says lost it
     out.update({u: (-1, "", b) for u, b in zip(rest.tolist(), by or ()) if b})
     return out
+
+def _earlier_owner(auditor: Auditor, pool: str, units: np.ndarray, prev_owner: dict[str, np.ndarray],
+                   roots: dict[str, list]) -> np.ndarray:
+    # each unit's owner at the previous check (0: none), but 0 for a unit allocated again since whose owner
+    # then is no root of this check: it let go of the unit (aborted, finished), so the new allocation that
+    # leaked is another owner's (its release is not where this one was lost)
+    had = prev_owner[pool][units].copy()
+    again = (auditor.ledgers[pool].last_alloc[units] >= auditor.checked_upto) & (had > 0)
+    if again.any():
+        alive = {r.owner for rs in roots.values() for r in rs}
+        names = auditor.owner_names
+        had[again] = [o if names[o] in alive else 0 for o in had[again].tolist()]
+    return had
 
 def _by_owner(pool: str, units: np.ndarray, owners: np.ndarray, frees: list, prev_owner: dict[str, np.ndarray],
               first_only: bool) -> dict[int, tuple[int, str]]:

@@ -143,11 +143,14 @@ class VllmObserver:
         """Record, per block, the block table its latest ``get_new_blocks`` or ``touch`` took it for: the list
         ``req_to_blocks[request_id]`` of the single-type manager that called (the nearest of
         :data:`TABLE_FRAMES` frames with a ``self`` that has ``req_to_blocks`` and a str ``request_id``), and
-        ``len(auditor.events)`` after the call (read by :meth:`lost_by`). Only calls that take blocks pay the
-        frame walk (a few per request, not one per step)."""
+        ``len(auditor.events)`` after the call (read by :meth:`lost_by`), and where the request sits once the
+        ``schedule()`` that called is done (its status, as :meth:`known` names it: :meth:`_settle_tables`). Only
+        calls that take blocks pay the frame walk (a few per request, not one per step)."""
         n = self.config.num_gpu_blocks
         self.block_tables = [None] * n
         self.block_table_at = np.full(n, -1, dtype=np.int64)
+        self.block_where = [""] * n
+        self._unsettled: list[tuple[str, list[int]]] = []  # (request id, blocks) recorded since the last settle
 
         def record(blocks) -> None:
             f = sys._getframe(2)
@@ -156,9 +159,10 @@ class VllmObserver:
                     return
                 rid, tables = f.f_locals.get("request_id"), getattr(f.f_locals.get("self"), "req_to_blocks", None)
                 if isinstance(rid, str) and tables is not None:
-                    table, at = tables.get(rid), len(auditor.events)
-                    for b in block_ids(blocks):
+                    table, at, ids = tables.get(rid), len(auditor.events), block_ids(blocks)
+                    for b in ids:
                         self.block_tables[b], self.block_table_at[b] = table, at
+                    self._unsettled.append((rid, ids))
                     return
                 f = f.f_back
 
@@ -173,22 +177,40 @@ class VllmObserver:
                 return out
 
             wrap(self.pool, name, call)
+        if getattr(self, "scheduler", None) is not None:
+            after_call(self.scheduler, "schedule", lambda *_, **__: self._settle_tables(), wrap)
+
+    def _settle_tables(self) -> None:
+        """Where (a request's status, lower case) each request that took blocks since the last call sits now,
+        for those blocks: after ``schedule()``, the queue a check would have seen it in (``running``; a load
+        in flight: ``waiting_for_remote_kvs``)."""
+        for rid, ids in self._unsettled:
+            request = self.requests.get(rid)
+            where = request.status.name.lower() if request is not None else ""
+            for b in ids:
+                self.block_where[b] = where
+        self._unsettled.clear()
 
     def lost_by(self, pool: str, units) -> list[str] | None:
         """Per leaked block of ``units`` (``[n] int64``; no holder at the previous check, no free named it),
-        what its latest block table (:meth:`_wrap_tables`) says: ``table:lost`` when that table still lists it
-        (the table went out of reach whole: dropped, or kept for a request the scheduler no longer knows),
-        ``table:cut`` when it no longer does (cut off its table with no free), ``""`` when no table was
-        recorded since the block's latest allocation. None for another pool, or unaudited."""
+        what its latest block table (:meth:`_wrap_tables`) says: when that table still lists it (the table went
+        out of reach whole: dropped, or kept for a request the scheduler no longer knows), ``from:<where>``, the
+        place its request sat (:meth:`_settle_tables`; ``table:lost`` if none is known): the words the core gives
+        an owner a check saw dropped with nothing freed (``Root.where``), as a request dropped in the step that
+        gave it the block is the same bug; ``table:cut`` when the table no longer lists it (cut off its table
+        with no free); ``""`` when no table was recorded since the block's latest allocation. None for another
+        pool, or unaudited."""
         tables = self.block_tables
         if pool != POOL or tables is None:
             return None
+        self._settle_tables()  # (a level with no schedule(): where the request sits now)
         u = np.asarray(units, dtype=np.int64)
         fresh = self.block_table_at[u] > self._auditor.ledgers[POOL].last_alloc[u]
         out = []
         for b, ok in zip(u.tolist(), fresh.tolist()):
             table = tables[b] if ok else None
-            out.append("" if table is None else "table:lost" if b in block_ids(table) else "table:cut")
+            where = f"from:{self.block_where[b]}" if self.block_where[b] else "table:lost"
+            out.append("" if table is None else where if b in block_ids(table) else "table:cut")
         return out
 
     def _wrap_cow_refs(self, mgr, auditor, wrap) -> None:
