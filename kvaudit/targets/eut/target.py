@@ -12,6 +12,7 @@ import torch
 from engine_under_test import EngineConfig, FinishReason, Scheduler
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail)
+from kvaudit.audit.hooks import pass_through
 from kvaudit.program.schema import pick, resolve_submit
 from kvaudit.targets.base import ABORT_IGNORED, LOST, PoolSpec, kv_length_problems
 from kvaudit.targets.eut.observer import EutObserver
@@ -321,6 +322,7 @@ class EutTarget(EutObserver):
         tree, counts["evictions_for_alloc"] = self.engine.tree_cache, 0
         evict = tree.evict
 
+        @pass_through  # (between engine frames: a stack's walk goes on past it)
         def counted(num_tokens: int) -> int:
             freed = evict(num_tokens)
             if freed:
@@ -346,6 +348,7 @@ class EutTarget(EutObserver):
             counts.update(dict.fromkeys([k for k, on in (("prefix_hits", hits), ("chunks_parked", chunks)) if on], 0))
             alloc_for_extend = eng.alloc_for_extend
 
+            @pass_through  # (between engine frames: a stack's walk goes on past it)
             def counted_extend(batch) -> None:
                 if hits:  # (a chunk's continuation holds its row already)
                     counts["prefix_hits"] += sum(not r.kv.holds_kv and r.prefix_len > 0 and r.prefix_indices is not None
@@ -358,6 +361,7 @@ class EutTarget(EutObserver):
         if cfg.enable_mixed_chunk:
             counts["mixed_batches"], next_batch = 0, eng.get_next_batch_to_run
 
+            @pass_through  # (between engine frames: a stack's walk goes on past it)
             def counted_next():
                 batch = next_batch()
                 if batch is not None and batch.decode_ids:
@@ -368,6 +372,7 @@ class EutTarget(EutObserver):
         if cfg.enable_overlap:
             counts["deferred_finishes"], process = 0, eng.process_batch_result
 
+            @pass_through  # (between engine frames: a stack's walk goes on past it)
             def counted_result(batch):
                 live = [r for r in batch.reqs if not r.finished()]
                 process(batch)
