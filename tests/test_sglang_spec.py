@@ -104,6 +104,13 @@ def test_an_eagle_preset_builds_the_tree_an_eagle_server_does(preset):
             assert t.tree_cache.evictable_size() == (12 if EAGLE_TREE[preset] else 13)
 
 
+@pytest.mark.parametrize("preset", ["sglang-spec-eagle", "sglang-spec-mamba"])
+def test_the_python_tree_core_gets_the_same_keys(preset):
+    with AuditedRun(cfg(preset, tree_core="python")) as run:
+        core = run.target.tree_cache.tree_core
+        assert type(core).__name__ == "UnifiedTreeCore" and core.is_eagle is EAGLE_TREE[preset]
+
+
 def test_a_decode_step_reserves_past_the_committed_kv_and_the_verify_commits_a_run():
     """One request: after its first spec step the row holds committed + the double-buffered reserve, and
     the processor committed 1..4 tokens (the accepted drafts and the bonus)."""
