@@ -82,6 +82,35 @@ def test_a_spec_preset_runs_clean_and_reaches_its_path(preset):
         run.close()
 
 
+# the tree an EAGLE server builds: kv_cache_builder passes CacheInitParams(is_eagle=spec_algorithm.is_eagle()),
+# and the tree core drops it beside a Mamba component
+EAGLE_TREE = {"sglang-spec-eagle": True, "sglang-spec-eagle-paged": True, "sglang-spec-overlap": True,
+              "sglang-spec-retract": True, "sglang-spec-session": True, "sglang-spec-swa": True,
+              "sglang-spec-mamba": False, "sglang-spec-ngram": False, "sglang": False}
+
+
+@pytest.mark.parametrize("preset", sorted(EAGLE_TREE))
+def test_an_eagle_preset_builds_the_tree_an_eagle_server_does(preset):
+    """The eagle presets' tree keys nodes by token pairs (bigram keys), as on an EAGLE server; an n-gram
+    server's, a plain one's and a Mamba hybrid's do not. A finished request of 8 + 6 tokens leaves 13 slots
+    in a raw-key tree (the last token has no KV), one fewer in a bigram one (the last pair needs two tokens)."""
+    with AuditedRun(cfg(preset)) as run:
+        t = run.target
+        assert t.tree_cache.tree_core.is_eagle is EAGLE_TREE[preset]
+        if preset in ("sglang", "sglang-spec-eagle"):
+            run.apply(Submit(family=0, prompt_len=8, max_new_tokens=6))
+            run.apply(Idle())
+            assert run.findings == []
+            assert t.tree_cache.evictable_size() == (12 if EAGLE_TREE[preset] else 13)
+
+
+@pytest.mark.parametrize("preset", ["sglang-spec-eagle", "sglang-spec-mamba"])
+def test_the_python_tree_core_gets_the_same_keys(preset):
+    with AuditedRun(cfg(preset, tree_core="python")) as run:
+        core = run.target.tree_cache.tree_core
+        assert type(core).__name__ == "UnifiedTreeCore" and core.is_eagle is EAGLE_TREE[preset]
+
+
 def test_a_decode_step_reserves_past_the_committed_kv_and_the_verify_commits_a_run():
     """One request: after its first spec step the row holds committed + the double-buffered reserve, and
     the processor committed 1..4 tokens (the accepted drafts and the bonus)."""

@@ -412,6 +412,10 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
         os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = config.tree_core
     if compat.has("eviction-policy-config", S.version):  # (0.5.19: kind.older_refusal refuses a config)
         hybrid["eviction_policy_config"] = policy_config
+    # an EAGLE server's tree keys its nodes by token pairs: kv_cache_builder passes is_eagle=spec_algorithm.is_eagle()
+    # (the scheduler's SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm), the published args';
+    # SGLang's tree core drops it beside a Mamba component)
+    hybrid["is_eagle"] = S.SpeculativeAlgorithm.from_string(server_args.speculative_algorithm).is_eagle()
     params = S.CacheInitParams(disable=disable_radix_cache, req_to_token_pool=req_to_token_pool,
                                token_to_kv_pool_allocator=allocator, page_size=ps, eviction_policy=policy, **hybrid)
     # what SGLang reads of ModelConfig on these paths (the PD-decode queues: num_hidden_layers, the think ids)
