@@ -13,6 +13,7 @@ import pytest
 from kvaudit import replay
 from kvaudit.audit.findings import Finding
 from kvaudit.audit.runner import AuditedRun, execute
+from kvaudit.program import Abort, Idle, Step, Submit
 from kvaudit.program.generate import random_program
 from kvaudit.targets.eut.presets import get_preset
 from replay_helpers import CoverAll, count_replays
@@ -521,3 +522,29 @@ def test_ending_ops_in_a_row_and_the_end_check_sweep_only_after_a_step():
     config = get_preset(preset).config(model="none", bugs=frozenset([bug]))
     want = _key(execute(config, program, full_stacks=False).findings)
     assert want and _key(_run(config, program, 16).findings) == want
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_an_idle_verdict_at_the_programs_end_is_found_by_the_end_check(monkeypatch, lean):
+    """Liveness judges a lost request or an ignored abort at idle only, and a sparse run samples it at its full
+    checks; the end-of-program check (``finish()``) swept the memory oracles, not liveness, so a program whose last
+    idle left a request its abort was ignored for (the mutant abort-running-ignored, from the engine's class: the
+    replay's fresh engine has it too) was clean sparse and a finding per step. Now the search reports what the
+    per-step run does."""
+    from engine_under_test.scheduler import Scheduler
+
+    intake = Scheduler.process_input_requests
+
+    def ignoring(self):  # the abort's to_finish dropped as the intake set it: the request runs to its end
+        intake(self)
+        for r in self.running_batch:
+            r.to_finish = None
+
+    monkeypatch.setattr(Scheduler, "process_input_requests", ignoring)
+    config = get_preset("default").config(model="none")
+    program = [Submit(family=0, prompt_len=9, max_new_tokens=12), Step(2), Abort(handle=0), Idle()]
+    want = _key(execute(config, program).findings)
+    assert [s for s, _, _ in want] == ["liveness/-/progress/-:abort-ignored"]
+    with AuditedRun(config, full_stacks=False, check_every=16, lean=lean) as run:
+        assert not any(run.apply(op) for op in program)  # (no full check due before the end: 16 steps apart)
+        assert _key(run.finish()) == want

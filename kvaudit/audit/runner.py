@@ -511,13 +511,15 @@ class AuditedRun:
         return kept
 
     def finish(self) -> list[Finding]:
-        """The sparse schedule's check at the program's end: a full oracle scan when a step ran since the
-        last one (localized like :meth:`apply`'s). [] for a per-step run, or one already cut short."""
+        """The sparse schedule's check at the program's end: a full oracle scan, liveness included, when a step ran
+        since the last one (localized like :meth:`apply`'s). [] for a per-step run, or one already cut short."""
         if self.check_every == 1 or not self.unchecked or self._cut_short() or self.crashed or not self.run_oracles:
             return []
         self.unchecked = self.check_every  # due now
         try:
             found = self._check()
+            if not found:  # liveness too: a lost request, an ignored abort are judged at idle, as the program ends
+                found = self._outcome("step")
         except Exception:  # (the target's own error: raised where a per-step run raises it)
             self._replay()
             raise
