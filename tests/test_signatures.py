@@ -37,7 +37,7 @@ from engine_under_test.scheduler import Scheduler
 from kvaudit import replay
 from kvaudit.audit.findings import Finding, Site
 from kvaudit.audit.ledger import Event
-from kvaudit.audit.runner import execute
+from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure, OpenSession,
                              PauseGeneration, Step, Submit, TransferFail, random_program)
 from kvaudit.targets import program_features
@@ -294,6 +294,14 @@ FOUND["pd-abort-after-transfer-leak"].append(
 # and whose finish freed the page again: the use-after-free named that release beside release@radix_cache.py;
 # the eviction of a node a lock receipt covered is a free under its reader (Target.freed_under_reader).
 FOUND["radix-lock-skips-matched-node"].append([Submit(0, 45, 1), Submit(1, 87, 1), Submit(0, 53, 1), Idle()])
+# ts65's last split, fixed (tp67): the leaked row (a health check's, one position) still maps units 2 and 3 at
+# positions 1-2, its former tenant's; unit 3, handed out with the row's own unit 1 and rows 1-3 in one
+# alloc_extend, went to row 3, whose checkpoint freed it as a duplicate prefix: the lost release read
+# checkpoint_kv_cache_into_tree, not process_batch_result. The engine fills req_to_token by tensor indexing;
+# the target now records how far each row's tenant wrote it (Target.units_of_tenants), and the leak oracle
+# reads a row's units there (leaks._by_row).
+FOUND["prefill-finish-leaks-row"] = [[Submit(0, 1, 4), Idle(), PauseGeneration(mode=1), HealthCheck(), Submit(1, 1, 2),
+                                      Submit(1, 1, 2), FlushCache(timeout=0), Idle()]]
 
 
 @pytest.mark.parametrize("bug", FOUND)
@@ -302,6 +310,27 @@ def test_a_zoo_bug_found_by_another_program_has_the_regression_files_signatures(
     want = {f.signature for f in zoo[bug]}
     for program in FOUND[bug]:
         assert set(execute(config, program).signatures) == want
+
+
+def test_a_rows_tenant_maps_the_positions_it_wrote_prefill_and_decode():
+    """Tenants (the built-in target's Target.units_of_tenants): one row, two tenants; the second (3 prompt positions
+    and 2 decoded) leaves the first's entries past position 5 in the row. Only its own 5 are its units: a decode's
+    write (tensor indexing in update_running_batch) counts as a prefill's does. A search's lean run records none."""
+    from kvaudit.search.schedule import search_run
+
+    config = get_preset("default").config(max_req_rows=1)
+    with AuditedRun(config) as run:
+        for op in [Submit(0, 12, 2), Idle(), Submit(1, 3, 4), Step(3)]:
+            assert not run.apply(op)
+        (req,) = run.target.engine.running_batch
+        row, table = req.kv.req_pool_idx, run.target.engine.req_to_token_pool.req_to_token
+        assert req.kv.kv_allocated_len == 5
+        own = set(table[row, :5].tolist())
+        assert set(run.target.units_of_rows([row])["token_to_kv_pool"].tolist()) > own | {0}  # the first's, stale
+        assert set(run.target.units_of_tenants([row])["token_to_kv_pool"].tolist()) == own
+    lean = search_run(config)
+    assert lean.auditor.lean and lean.target.units_of_tenants([1]) is None
+    lean.close()
 
 
 # programs `kvaudit fuzz --bug BUG --seed 1..5` (corpus and random) minimized to, where the lost or freed
@@ -505,9 +534,9 @@ def test_a_finding_of_an_unknown_kind_is_refused_by_from_dict_as_any_bad_field_i
         Finding.from_dict(d)
 
 
-# Open (session 65, ts65): `kvaudit fuzz --preset P --bug BUG --fuzzer random-96 --seed 1..5 --corpus DIR`
-# for every zoo bug, programs minimized with `kvaudit minimize --signature`. Strict xfails: each turns red
-# (XPASS) once fixed; move it then to FOUND (a split) or make it a plain test (a collision).
+# Found in session 65 (ts65): `kvaudit fuzz --preset P --bug BUG --fuzzer random-96 --seed 1..5 --corpus DIR`
+# for every zoo bug, programs minimized with `kvaudit minimize --signature`. Each was a strict xfail until fixed,
+# then moved to FOUND (a split) or made a plain test (a collision); a new one is added the same way.
 # Fixed (tf65): a tree eviction (release@radix_cache.py) is the premature free of two root causes: radix-lock-
 # skips-matched-node (a live receipt covered the node, the tree's lock did not) and session-close-while-running
 # (the close released the session's lock on the turn's published prompt while the turn still reads it: no
@@ -732,26 +761,6 @@ def test_an_unwritten_position_loaded_back_from_host_is_still_unwritten(program,
     config = get_preset("hicache").config(bugs=frozenset({"aborted-kv-inserted"}))
     found = execute(config, program).signatures
     assert found and set(found) <= {f.signature for f in zoo["aborted-kv-inserted"]}, found
-
-# one bug, another signature (a split: a campaign files the known bug again)
-SPLITS = {  # (pd-abort-after-transfer-leak's and radix-lock-skips-matched-node's: fixed, in FOUND)
-    # the leaked row's units were last freed by another request's checkpoint (a duplicate prefix freed in
-    # checkpoint_kv_cache_into_tree, not a release entry): named that, not process_batch_result. Open: the row
-    # entry of that unit is stale (the row's former tenant's), but nothing the ledger or the row table keeps
-    # tells it from a live one (the unit was allocated after the row, and the row that did map it had it
-    # replaced by the tree's copy before the check). Nor would a copy of the row taken at its allocation (ts67):
-    # row 1 maps units 1-4 before and after, unit 1 at position 0 its own now, units 2 and 3 (positions 1, 2)
-    # stale, all three from one alloc_extend for rows 1-3; only its finished tenant's length (1) tells them apart
-    "prefill-finish-leaks-row": [Submit(0, 1, 4), Idle(), PauseGeneration(mode=1), HealthCheck(), Submit(1, 1, 2),
-                                 Submit(1, 1, 2), FlushCache(timeout=0), Idle()],
-}
-
-
-@pytest.mark.xfail(strict=True, reason="open: a split found by ts65")
-@pytest.mark.parametrize("bug", SPLITS)
-def test_a_zoo_bug_found_by_a_fuzzed_program_keeps_the_regression_files_signatures(bug, zoo):
-    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{bug}.json"))
-    assert set(execute(config, SPLITS[bug]).signatures) <= {f.signature for f in zoo[bug]}
 
 
 @pytest.mark.parametrize("full_stacks", [True, False])

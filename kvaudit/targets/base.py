@@ -317,6 +317,13 @@ class Target:
         the target has no row table (leaks are not split direct/indirect through rows)."""
         return None
 
+    def units_of_tenants(self, rows) -> dict | None:
+        """:meth:`units_of_rows` of only the entries that each row's current tenant wrote (for a row freed and
+        not allocated again, its last tenant's): a row keeps its earlier tenants' entries past its tenant's
+        length, which the leak oracle must not take for the tenant's when it names where a leaked row's units
+        lost their owner. None (default): not recorded (the oracle reads every entry)."""
+        return None
+
     def lost_by(self, pool: str, units) -> list[str] | None:
         """Per unit of ``units`` (``[n] int64`` of ``pool``, leaked: no owner held them at the previous check
         and no release since names them) what lost it, as the target recorded it (a leak signature's second

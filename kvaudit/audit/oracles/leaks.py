@@ -113,7 +113,8 @@ def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, prev_owner: 
             frees: list) -> dict[int, tuple[int, str]]:
     # the latest free of another unit of the request row that maps it, in pool first, else any.
     # NOTE: a row keeps stale entries of earlier tenants: only units allocated since the row was, freed
-    # after that, not another owner's at the previous check; a row freed meanwhile: that release's path
+    # after that, not another owner's at the previous check; a row freed meanwhile: that release's path.
+    # Where the target records its tenant's length (units_of_tenants), not its entries past it either
     rows_led = auditor.ledgers.get("req_to_token_pool")
     if rows_led is None or not frees or target.units_of_rows(np.zeros(0, dtype=np.int64)) is None:
         return {}
@@ -122,8 +123,10 @@ def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, prev_owner: 
     held: dict[int, dict[str, set]] = {}  # row -> pool -> its units
     for r in np.flatnonzero(live).tolist():
         since = rows_led.last_alloc[r]
+        mapped = target.units_of_tenants(np.array([r]))
+        mapped = target.units_of_rows(np.array([r])) if mapped is None else mapped
         held[r] = {p: set(us[auditor.ledgers[p].last_alloc[us] >= since].tolist()) if p in auditor.ledgers else set()
-                   for p, us in ((p, np.asarray(us, dtype=np.int64)) for p, us in target.units_of_rows(np.array([r])).items())}
+                   for p, us in ((p, np.asarray(us, dtype=np.int64)) for p, us in mapped.items())}
         held[r].setdefault("req_to_token_pool", {r})
     leaked = set(units.tolist())
     allocs: dict[str, dict[int, list[int]]] = {}  # pool -> unit -> its allocations since the previous check

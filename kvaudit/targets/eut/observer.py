@@ -22,6 +22,7 @@ import torch
 from kvaudit.audit.hooks import pass_through
 from kvaudit.targets.eut.deltas import EutDeltas
 from kvaudit.targets.eut.evictions import Evictions
+from kvaudit.targets.eut.tenants import Tenants
 from kvaudit.targets.eut.tree_edits import TreeEdits
 from kvaudit.targets.base import (Accounting, IdleRoots, LockImbalance, Recount, Root, Target, records_roots,
                                   slot_pages, wrap_insert)
@@ -52,6 +53,7 @@ class EutObserver(Target):
     lock_holders_exact = True  # lock_holders() reads every lock receipt the engine keeps
     evictions: Evictions | None = None  # the token pool's tree evictions (freed_by), once installed
     released_by: dict[str, str] | None = None  # rid -> the path of its last release (dropped_by), once installed
+    tenants: Tenants | None = None  # how far each row's tenant wrote it (units_of_tenants), once installed
 
     # -- KV content (shadow tags) ------------------------------------------------------------
     def kv_pools(self) -> dict[str, int]:
@@ -388,7 +390,9 @@ class EutObserver(Target):
 
     def install_pool(self, spec, auditor, wrap) -> None:
         """The standard wrappers; for the token pool, the tree's evictions are recorded too (:meth:`freed_by`),
-        but in a search's lean run: what it finds is reported by its per-step replay, which records them."""
+        and for the row pool each request's last release (:meth:`dropped_by`) and how far each row's tenant
+        wrote it (:meth:`units_of_tenants`), but in a search's lean run: what it finds is reported by its
+        per-step replay, which records them."""
         super().install_pool(spec, auditor, wrap)
         tree = self.engine.tree_cache
         if spec.name == "token_to_kv_pool" and not tree.disable and not auditor.lean:
@@ -400,6 +404,9 @@ class EutObserver(Target):
             self.abort_taken = taken = []
             wrap(self.engine, "handle_abort", partial(_taking_abort, self.engine.handle_abort, taken,
                                                       self.engine.finished_outputs))
+            self.tenants = None if auditor.lean else Tenants(auditor, spec.name)
+            if self.tenants is not None:
+                self.tenants.install(self.engine, wrap)
 
     #: the plumbing between a request's release and the path that chose it: the release entries and a
     #: retraction's release (retract_decode, a priority preemption and a retract pause share release_req)
@@ -430,6 +437,12 @@ class EutObserver(Target):
         ``preempt_to_schedule@scheduler_prefill_mixin.py``: a priority preemption; ``process_batch_result@scheduler.py``:
         a finish), ``""`` for a request never released; None where releases are not recorded (a lean run)."""
         return None if self.released_by is None else self.released_by.get(rid, "")
+
+    def units_of_tenants(self, rows) -> dict[str, np.ndarray] | None:
+        """:meth:`units_of_rows` of the positions each row's tenant wrote (:class:`Tenants`); None where they are
+        not recorded (a lean run)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return None if self.tenants is None else self.units_of_rows(rows, self.tenants.lengths(rows))
 
     def freed_by(self, pool: str, units, frees) -> list[str] | None:
         """``unlocked`` for each of ``units`` that ``frees`` freed by evicting a tree node no lock receipt

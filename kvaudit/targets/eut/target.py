@@ -481,10 +481,12 @@ class EutTarget(EutObserver):
                 and eng.last_batch is None and eng.chunked_req is None and not eng._hicache_in_flight()
                 and all(r.load_back is None for r in eng.waiting_queue))
 
-    def units_of_rows(self, rows) -> dict[str, np.ndarray]:
-        """Units referenced by request rows ``rows`` (``[n] int64``): their KV slots, as units of each pool."""
+    def units_of_rows(self, rows, lengths=None) -> dict[str, np.ndarray]:
+        """Units referenced by request rows ``rows`` (``[n] int64``): their KV slots, as units of each pool;
+        with ``lengths`` (``[n] int64``), only each row's first ``lengths[i]`` positions in the token pool."""
         eng, ps = self.engine, self.config.page_size
-        slots = eng.req_to_token_pool.req_to_token[torch.as_tensor(rows, dtype=torch.int64)].reshape(-1).cpu().numpy()
+        table = eng.req_to_token_pool.req_to_token[torch.as_tensor(rows, dtype=torch.int64)].cpu().numpy()
+        slots = (table if lengths is None else table[np.arange(table.shape[1]) < np.reshape(lengths, (-1, 1))]).reshape(-1)
         out = {"token_to_kv_pool": np.unique(slots // ps)}
         hs = eng.hisparse_coordinator
         if hs is not None:
