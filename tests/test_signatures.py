@@ -333,6 +333,35 @@ def test_a_rows_tenant_maps_the_positions_it_wrote_prefill_and_decode():
     lean.close()
 
 
+@pytest.mark.parametrize("preset", ["chunked", "mixed-chunk", "retract", "overlap", "paged", "pd-decode",
+                                    "pd-decode-hisparse", "hisparse", "streaming-session", "hicache"])
+def test_a_rows_recorded_tenant_length_covers_every_position_its_live_record_allocated(preset):
+    """Tenants' length is a floor on what leak attribution reads as a row's own: one shorter than a live record's
+    ``kv_allocated_len`` would drop its own entries (a chunk continuation, a retraction's re-admission, a session turn
+    on a borrowed record, a PD pre-allocation, a HiSparse or overlap decode). After every step of random programs,
+    every live request's and session's record: the recorded length reaches its allocated length."""
+    config = get_preset(preset).config(model="none")
+    short, seen = [], 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        with AuditedRun(config, full_stacks=False) as run:
+            def check(run):
+                nonlocal seen
+                eng = run.target.engine
+                kvs = [r.kv for r in eng.requests_owning_rows()]
+                kvs += [s.kv for _, s in eng.session_controller.slots()] if eng.session_controller is not None else []
+                for kv in kvs:
+                    seen += 1
+                    length = int(run.target.tenants.lengths(np.array([kv.req_pool_idx]))[0])
+                    if length < kv.kv_allocated_len:
+                        short.append((seed, run.target.steps, kv.req_pool_idx, length, kv.kv_allocated_len))
+            run.on_step = check
+            for op in random_program(rng, rng.randint(16, 64), features=program_features(config)):
+                if run.apply(op):
+                    break
+    assert seen and short == []
+
+
 # programs `kvaudit fuzz --bug BUG --seed 1..5` (corpus and random) minimized to, where the lost or freed
 # slots were allocated in decode (update_running_batch) where the regression file's were in prefill
 # (alloc_for_extend): one bug, two signatures, a campaign re-reporting it as new (3 to 7 of 8 runs each)
