@@ -149,7 +149,7 @@ class VllmObserver:
         n = self.config.num_gpu_blocks
         self.block_tables = [None] * n
         self.block_table_at = np.full(n, -1, dtype=np.int64)
-        self.block_where = [""] * n
+        self.block_where = np.full(n, "", dtype=object)  # (object: a settle writes a request's blocks at once)
         self._unsettled: list[tuple[str, list[int]]] = []  # (request id, blocks) recorded since the last settle
 
         def record(blocks) -> None:
@@ -178,17 +178,15 @@ class VllmObserver:
 
             wrap(self.pool, name, call)
         if getattr(self, "scheduler", None) is not None:
-            after_call(self.scheduler, "schedule", lambda *_, **__: self._settle_tables(), wrap)
+            after_call(self.scheduler, "schedule", self._settle_tables, wrap)
 
-    def _settle_tables(self) -> None:
+    def _settle_tables(self, *_, **__) -> None:
         """Where (a request's status, lower case) each request that took blocks since the last call sits now,
-        for those blocks: after ``schedule()``, the queue a check would have seen it in (``running``; a load
-        in flight: ``waiting_for_remote_kvs``)."""
+        for those blocks: after ``schedule()`` (its hook: the call's result and arguments are ignored), the queue
+        a check would have seen it in (``running``; a load in flight: ``waiting_for_remote_kvs``)."""
         for rid, ids in self._unsettled:
             request = self.requests.get(rid)
-            where = request.status.name.lower() if request is not None else ""
-            for b in ids:
-                self.block_where[b] = where
+            self.block_where[ids] = "" if request is None else request.status.name.lower()
         self._unsettled.clear()
 
     def lost_by(self, pool: str, units) -> list[str] | None:
