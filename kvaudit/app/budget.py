@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class Budget:
     """``seconds`` of search. ``process_start``: ``time.monotonic()`` at the console script's entry,

@@ -306,7 +306,6 @@ def _with_reports(e: click.ClickException, outputs: Outputs, data, err) -> click
     return e.keeping(written, also=unwritten) if isinstance(e, DiskFull) else e
 
 
-
 def nothing_searched(err, max_time: float) -> int:
     """The budget ended before the first program ran: nothing was checked, so not clean (exit 5)."""
     err.print(f"kvaudit: nothing searched: the {duration(max_time)} search budget ended before the first program "
