@@ -933,6 +933,17 @@ def test_minimize_of_a_signature_the_file_does_not_record_lists_the_ones_it_does
                                       f"signature(s): {', '.join(recorded)}")
 
 
+def test_minimize_of_a_file_with_no_program_says_so_rather_than_asking_for_a_signature(tmp_path):
+    """A `kvaudit ci` job's --json (no program, no finding) was told "records no finding: name one with
+    --signature", and with one ran the minimizer over 0 ops: "leak/x does not reproduce", exit 4."""
+    r = invoke("ci", "--max-time", "0", "--json", str(tmp_path / "ci.json"), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    for extra in ([], ["--signature", "leak/x"]):
+        result = invoke("minimize", str(tmp_path / "ci.json"), *extra)
+        assert result.exit_code == 2, result.output
+        assert one_error_line(result) == f"kvaudit: error: {tmp_path / 'ci.json'} records no program: nothing to minimize"
+
+
 # -- kvaudit ci ----------------------------------------------------------------------------------------
 
 def test_ci_replays_regressions_and_fails_on_a_broken_one(tmp_path):
