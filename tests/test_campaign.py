@@ -319,7 +319,9 @@ def test_a_file_another_process_wrote_for_a_signature_this_run_never_met_is_know
 
 def test_the_findings_news_stopped_workers_left_in_the_queue_is_handled():
     """What lets the end sweep count an unannounced file as another process's: a worker stopped in triage writes
-    its finding and says so after the parent stopped reading; that news is read after the workers stop."""
+    its finding and says so after the parent stopped reading; that news is read after the workers stop. So is a
+    worker's last progress (the programs it ran since the one before: an interrupted campaign undercounted its
+    executions, 23 in its table and --json where `campaign status` showed its workers' 11 + 18); a done is not."""
     import multiprocessing as mp
     from kvaudit.search import campaign
 
@@ -329,7 +331,7 @@ def test_the_findings_news_stopped_workers_left_in_the_queue_is_handled():
     time.sleep(0.2)  # (the queue's feeder thread)
     seen = []
     campaign._drain(q, seen.append)
-    assert seen == [("finding", 0, "leak/x", "/d/x.json"), ("duplicate", 1, "leak/y")]
+    assert seen == [("progress", 0, 5, 50), ("finding", 0, "leak/x", "/d/x.json"), ("duplicate", 1, "leak/y")]
 
 
 def test_the_run_record_keeps_the_users_keys_and_sets_aside_entries_that_are_not_runs(tmp_path):
@@ -929,6 +931,17 @@ def test_minimize_of_a_signature_the_file_does_not_record_lists_the_ones_it_does
     assert result.exit_code == 2
     assert one_error_line(result) == (f"kvaudit: error: --signature leak/nope: {src} records no finding of it; its "
                                       f"signature(s): {', '.join(recorded)}")
+
+
+def test_minimize_of_a_file_with_no_program_says_so_rather_than_asking_for_a_signature(tmp_path):
+    """A `kvaudit ci` job's --json (no program, no finding) was told "records no finding: name one with
+    --signature", and with one ran the minimizer over 0 ops: "leak/x does not reproduce", exit 4."""
+    r = invoke("ci", "--max-time", "0", "--json", str(tmp_path / "ci.json"), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    for extra in ([], ["--signature", "leak/x"]):
+        result = invoke("minimize", str(tmp_path / "ci.json"), *extra)
+        assert result.exit_code == 2, result.output
+        assert one_error_line(result) == f"kvaudit: error: {tmp_path / 'ci.json'} records no program: nothing to minimize"
 
 
 # -- kvaudit ci ----------------------------------------------------------------------------------------
@@ -1531,3 +1544,26 @@ def test_ci_gives_each_new_files_replay_command_with_the_suppressions(tmp_path, 
     assert r.exit_code == 1, r.output
     out = str(tmp_path / "o" / os.path.basename(path))
     assert f"replay file: {out}   (kvaudit replay {out} --suppress {shlex.quote(str(rules))})" in r.stdout, r.stdout
+
+
+def test_an_interrupted_campaign_counts_the_programs_run_since_its_worker_s_last_progress(tmp_path, monkeypatch):
+    """A worker's progress reaches its parent at most every PROGRESS_EVERY seconds, and an interrupt (Ctrl-C,
+    SIGTERM) ended its search with no last one: `fuzz --db ... --workers 2` stopped after 4 s said 47
+    executions in its table and --json while `campaign status` showed its two workers' 25 + 28, and one stopped
+    in its first second said 0 executions."""
+    from kvaudit.search import campaign, fuzzers
+
+    def five_then_ctrl_c(config, seconds, seed, stats, run):
+        for _ in range(5):
+            stats.executions += 1
+            stats.ops += 2
+            run.on_progress(stats)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(campaign, "PROGRESS_EVERY", 3600.0)
+    monkeypatch.setitem(fuzzers._FUZZERS, "five", fuzzers.FuzzerKind("five", "five programs, then Ctrl-C",
+                                                                        five_then_ctrl_c))
+    result = campaign.run_campaign(hisparse_config(), "five", 30.0, 0, 1, str(tmp_path / "c"))
+    assert result.interrupted
+    assert (result.stats.executions, result.stats.ops) == (5, 10)
+    assert json.load(open(tmp_path / "c" / "campaign.json"))["runs"][0]["executions"] == 5

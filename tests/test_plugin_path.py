@@ -83,6 +83,19 @@ def test_an_engine_returning_numpy_rows_runs_clean_and_its_leak_is_a_leak():
     assert leaky.findings[0].pool == "rows"
 
 
+def test_a_one_file_plugin_without_framework_classes_names_its_engine_frame_not_the_runner_s_caller(monkeypatch):
+    """A plugin whose pool class shares the target's file (a newcomer's one-file toy) had that whole file
+    skipped as the pool's: with no ``framework_classes``, the walk went past kvaudit to whatever ran it,
+    and the leak's site was click's ``core.py in invoke`` (here: this test's frame)."""
+    monkeypatch.setattr(rowtoy_plugin.RowToyTarget, "framework_classes", lambda self: [])
+    leaky = execute(rowtoy_plugin.PRESETS["rowtoy"].config(bugs={"abort-leak"}),
+                    [Submit(prompt_len=4, max_new_tokens=3), Step(n=1), Abort(handle=0), Idle()])
+    (leak,) = leaky.findings
+    site = leak.alloc_sites[0]
+    assert (os.path.basename(site.file), site.source) == ("rowtoy_plugin.py", "r.rows = self.pool.alloc(r.prompt_len)")
+    assert leak.signature == "leak/rows/step@rowtoy_plugin.py"
+
+
 # -- 1. replay files name their kind -----------------------------------------------------------------
 
 def found(out_dir):

@@ -361,6 +361,35 @@ def test_ci_html_of_a_job_failed_by_its_regressions_alone_says_failed(tmp_path):
 
 
 
+def test_report_of_a_ci_json_failed_by_its_regressions_says_failed_on_the_console(tmp_path):
+    """docs/guides/reports.md: `kvaudit report` of a run's --json closes as that run did. A job that ended
+    'FAILED: 0/1 regressions ok' rendered, from its --json, an HTML page titled FAILED but a console that closed
+    'SUMMARY: kvaudit: no findings.' with nothing after it, and a JUnit of one passing case; now the file's
+    failure is the console's last line and a failing case. A value that is not a string is a bad file, exit 2."""
+    reg = tmp_path / "reg"
+    reg.mkdir()
+    (reg / "broken.json").write_text("{}")
+    r = invoke("ci", "--max-time", "0", "--regressions", str(reg), "--json", str(tmp_path / "ci.json"),
+               "--out", str(tmp_path / "out"))
+    assert r.exit_code == 1, r.output
+    r = invoke("report", str(tmp_path / "ci.json"), "--junit", str(tmp_path / "r.xml"))
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[-2] == "SUMMARY: kvaudit: no findings.", lines
+    assert lines[-1].startswith("FAILED: 1 of 1 regression file(s): broken (malformed: "), lines
+    # and its JUnit: a failing case, not the passing "no findings" one (a dashboard showed the job green)
+    junit = (tmp_path / "r.xml").read_text()
+    assert '<testsuites name="kvaudit" tests="1" failures="1" errors="0"' in junit, junit
+    assert re.search(r'<testcase classname="kvaudit.regressions" name="regression files" time="0">\s*<failure '
+                     r'message="FAILED: 1 of 1 regression file\(s\): broken \(malformed: ', junit), junit
+    doc = json.load(open(tmp_path / "ci.json"))
+    doc["regressions_failed"] = ["broken"]
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    r = invoke("report", str(tmp_path / "bad.json"))
+    assert r.exit_code == 2 and 'bad "regressions_failed": want a string' in r.stderr, r.output
+
+
+
 def test_html_counts_findings_as_the_summary_line_does():
     """A job whose two presets found one signature (kvaudit ci: each preset's reproducer kept) printed
     'SUMMARY: kvaudit: 2 finding(s) (2 leak) in 1 signature(s)' and its --json held both, but the HTML was titled

@@ -25,6 +25,8 @@ from kvaudit.targets.registry import TargetDefinitionError
 def run(file: str, *, out_file: str | None, signature: str | None, suppress_file: str | None) -> int:
     """``kvaudit minimize FILE``; returns the exit code."""
     config, program, recorded, sset, found_by = load_replay(file, suppress_file, probe=False)
+    if not program:  # (a kvaudit ci job's --json: its programs are in its replay files)
+        raise InputError(f"{file} records no program: nothing to minimize")
     if signature is None:
         if not recorded:
             raise InputError(f"{file} records no finding: name one with --signature")

@@ -55,6 +55,8 @@ def run(file: str, outputs: Outputs) -> int:
                 closing=short is None or short[0] != "nothing searched")
     if short is not None and short[0] == "nothing searched":
         console.print(NOTHING_SEARCHED_SUMMARY, soft_wrap=True)
+    if doc.get("regressions_failed"):  # a ci job's failed regression files: its verdict, as its --html says it
+        console.print(f"FAILED: {doc['regressions_failed']}", soft_wrap=True, markup=False)
     write_reports(outputs, data, make_console(stderr=True))
     return EXIT_CLEAN
 
@@ -73,5 +75,6 @@ _FACTS = {
     "reached": (lambda v: _counts(v) or (isinstance(v, dict) and all(_counts(x) for x in v.values())),
                 "an object of path -> count (kvaudit ci's: preset -> path -> count)"),
     "nothing_searched": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of presets"),
+    "regressions_failed": (lambda v: isinstance(v, str), "a string"),
     "seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),
 }

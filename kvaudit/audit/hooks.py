@@ -32,6 +32,22 @@ def _class_file(cls: type) -> str:
     return os.path.abspath(inspect.getfile(cls))
 
 
+def _pool_code(target) -> tuple[set[str], set[tuple[str, str]]]:
+    """The pools' own code, framework to a stack walk: (files, (file, class name) pairs). A pool class's
+    whole file, or, for one that shares a big module with engine code (the target's ``framework_classes``),
+    only that class's methods; so too for a pool class defined in the target's own file (a one-file
+    plugin), whose engine and target frames are then sites."""
+    by_class = tuple(target.framework_classes())
+    try:
+        own_file = _class_file(type(target))
+    except TypeError:  # (a class of no file: one defined in ``python -c``)
+        own_file = None
+    pool_classes = {type(s.obj) for s in target.pools() if not isinstance(s.obj, by_class)}
+    classes = {(_class_file(c), c.__name__) for c in by_class}
+    classes |= {(own_file, c.__name__) for c in pool_classes if _class_file(c) == own_file}
+    return {KVAUDIT_DIR} | ({_class_file(c) for c in pool_classes} - {own_file}), classes
+
+
 STACK_DEPTH = 4
 _STOP, _READ = 1, 2  # owner lookup per code object (see Auditor._code_info)
 OWNER_FRAMES = 3  # innermost engine frames searched for the owner of an allocation
@@ -110,12 +126,7 @@ class Auditor(Ledger, PoolWrappers):
         self._owner_hint = target.owner_hint
         self._hint_vars = tuple(target.owner_hint_vars)
         self._stop_vars = tuple(target.owner_stop_vars)
-        # a pool's own code is framework: its whole file, or, for a pool class that shares a big module
-        # with engine code (the target's ``framework_classes``), only that class's methods
-        by_class = tuple(target.framework_classes())
-        self._skip_classes = {(_class_file(c), c.__name__) for c in by_class}
-        self._skip_files = {KVAUDIT_DIR} | {_class_file(type(s.obj)) for s in target.pools()
-                                             if not isinstance(s.obj, by_class)}
+        self._skip_files, self._skip_classes = _pool_code(target)
         self._skip_files |= {os.path.abspath(f) for f in target.framework_files()}
         # files of the target that play the engine's part (a driver): sites, though under kvaudit/
         self._engine_files = frozenset(os.path.abspath(f) for f in target.engine_files())

@@ -68,9 +68,11 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
              clean_case: str | None = None, recorded: Mapping[str, str] | None = None, seconds: float = 0.0,
              found_after: float | None = None, search: Mapping | None = None,
              skipped: tuple[str, str] | None = None, notes: list[str] | tuple = (),
-             presets: list[str] | None = None) -> str:
+             presets: list[str] | None = None, failed: str | None = None) -> str:
     """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
-    name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
+    name the signature); with none, a passing ``clean_case`` when named. ``failed``: a job's failure no finding
+    holds (``kvaudit ci``'s regression files, its ``--json``'s ``regressions_failed``), a failing case ``regression
+    files`` in place of the passing one. ``config``'s fields (a target
     kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells
     it); ``recorded``: a signature -> the engine release its finding was recorded on
     (:func:`~kvaudit.reports.sarif.engine_of`). A case's ``time``: ``seconds`` (the run's), for a finding
@@ -96,7 +98,11 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
                                 type=xml_text(first.kind))
         failure.text = xml_text(failure_text(first, len(group), on(first)))
         cases.append(case)
-    if skipped is None and not findings and clean_case:
+    if failed:
+        case = ET.Element("testcase", classname="kvaudit.regressions", name="regression files", time="0")
+        ET.SubElement(case, "failure", message=xml_text(f"FAILED: {failed}"), type="regression")
+        cases.append(case)
+    if skipped is None and not findings and not failed and clean_case:
         cases.append(ET.Element("testcase", classname="kvaudit", name=xml_text(clean_case), time=f"{seconds:.2f}"))
         if notes:
             ET.SubElement(cases[-1], "system-out").text = xml_text("\n".join(notes) + "\n")

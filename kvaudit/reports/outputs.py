@@ -145,7 +145,8 @@ def _junit(data: ReportData) -> str:
                     recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
                     found_after=data.extra.get("first_hit_seconds"), search=search_facts(data.extra),
                     skipped=not_all_checked(data), notes=_reach_lines(data),
-                    presets=None if names == [data.config.preset] else names)
+                    presets=None if names == [data.config.preset] else names,
+                    failed=data.extra.get("regressions_failed"))
 
 
 def _preset_names(data: ReportData) -> list[str]:

@@ -275,6 +275,9 @@ class _Worker:
                 corpus_dir=spec.corpus, workers=spec.workers, use_seeds=spec.use_seeds, hub=hub, kept=self.kept))
         except SearchInterrupted as e:  # stopping while Hypothesis shrank a failure: write it unminimized
             found, cut = e.found, e
+        except KeyboardInterrupt:  # (the programs run since the last progress message are counted)
+            self.progress(self.stats, force=True)
+            raise
         self.progress(self.stats, force=True)
         if found is None:
             return False
@@ -673,14 +676,16 @@ def _ended(exitcode: int | None) -> str:
         return f"by signal {-exitcode}"
 
 
-# what a worker says of its findings, read after the workers stopped (what else they said then is moot)
-_FINDING_NEWS = ("finding", "unwritten", "duplicate", "flaky", "pulled")
+# what a worker says of its findings, and its last progress (its programs since the one before), read after the
+# workers stopped (what else they said then is moot)
+_FINDING_NEWS = ("finding", "unwritten", "duplicate", "flaky", "pulled", "progress")
 
 
 def _drain(q, handle: Callable[[tuple], None]) -> None:
     """The findings news the stopped workers left in ``q``: a worker stopped in triage writes its finding and
     then says so, after the parent stopped reading (Ctrl-C, a worker's error). Handled, so that every file this
-    run's workers wrote is announced, and the end's sweep counts any other file as another process's. The pipe
+    run's workers wrote is announced, and the end's sweep counts any other file as another process's; and
+    their last progress, so that the run's counts take in the programs run since the one before. The pipe
     is read without waiting: a worker killed mid-write (a message over the pipe's atomic size, into a pipe full
     since the parent stopped reading) left part of one, whose rest never comes; that ends the drain."""
     with contextlib.suppress(AttributeError, OSError, ValueError):  # (NOTE: the queue's private end)
