@@ -159,7 +159,7 @@ def test_the_target_help_names_every_release_the_kind_drives():
 def test_a_replay_the_installed_release_cannot_drive_names_the_releases_that_can(tmp_path):
     """A preset's refusal named the releases that drive it; a replay file's (the probe's) did not."""
     r = run_child(["-m", "kvaudit", "replay", SWA_FILE], "0.5.11")
-    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.returncode == 69, r.stderr[-2000:]  # (a release this host lacks: 69)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "vllm._C" not in ln]
     assert len(lines) == 1 and lines[0].endswith("SWA (driven on SGLang 0.5.22, 0.5.23; installed 0.5.11)"), lines
 
