@@ -371,8 +371,9 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     hosts made are pulled into DIR/findings/ and are not new here.
 
     Exit codes: 0 clean, 1 a finding (campaign: a new one), 2 bad input (refused before any engine
-    is imported), 5 nothing searched (the budget ended before one program ran), 69 atheris or redis-py
-    missing, or Redis unreachable at start, 130 interrupted with nothing found. Ctrl-C keeps what was found
+    is imported), 5 nothing searched (the budget ended before one program ran), 69 what this host lacks: the
+    target's engine (or the release it needs), atheris or redis-py not installed, or Redis unreachable at
+    start, 130 interrupted with nothing found. Ctrl-C keeps what was found
     (unminimized if minimizing) and writes the reports asked for.
     """
     from kvaudit.app import fuzz as job
@@ -484,9 +485,9 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
     presets for --max-time seconds of search in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when
     clean, 1 on a failed regression (a malformed file among them: a JUnit error, and the job goes on)
     or a new finding, 2 on bad input (refused before any engine is imported), 5 when a preset's share
-    ended before one program ran (nothing searched there), 69 when --db's Redis cannot be reached at the
-    start (or redis-py, or --fuzzer atheris's atheris, is not installed), 130 when interrupted (Ctrl-C or
-    SIGTERM; the reports are written)."""
+    ended before one program ran (nothing searched there), 69 when --target's engine (or the release it
+    needs), redis-py or --fuzzer atheris's atheris is not installed, or --db's Redis cannot be reached at the
+    start, 130 when interrupted (Ctrl-C or SIGTERM; the reports are written)."""
     from kvaudit.app import ci as job
 
     budget = Budget.for_command(max_time, click.get_current_context().find_root().obj)

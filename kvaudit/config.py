@@ -72,7 +72,7 @@ def _spelled(v) -> str:
     try:
         return json.dumps(v, allow_nan=False)
     except (TypeError, ValueError):
-        return repr(v)
+        return " ".join(repr(v).split())  # (one line: a numpy array's repr wraps)
 
 
 def device_unavailable(device) -> str | None:

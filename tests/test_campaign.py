@@ -490,6 +490,34 @@ def test_ci_summary_counts_its_known_signatures_as_a_campaigns_does(tmp_path, mo
         assert line == "SUMMARY: kvaudit: no new findings; 1 known signature(s) not reported again.", line
 
 
+@pytest.mark.parametrize("job", ["fuzz", "ci"])
+def test_kvaudit_report_of_a_run_with_known_findings_only_counts_them_as_the_run_did(tmp_path, monkeypatch, job):
+    """A campaign's or ci's run with known findings only closed "no new findings; 2 known signature(s) not reported
+    again", but its --json did not record them: `kvaudit report` of it (a CI reader's view) closed "no findings.",
+    and its HTML said "No findings." The --json records the known signatures; report and HTML count them."""
+    import kvaudit.search.campaign as campaign
+    import kvaudit.search.ci as search_ci
+
+    path = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions", "session-close-while-running.json")
+    sigs = sorted({f.signature for f in replay.load(path)[2]})
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        known={s: path for s in sigs}, stats=FuzzStats(executions=3, ops=9)))
+    monkeypatch.setattr(search_ci, "still_open", lambda *a, **k: [])  # (no replay of the known file)
+    (tmp_path / "reg").mkdir()
+    args = (["fuzz", "--corpus", str(tmp_path / "c")] if job == "fuzz" else
+            ["ci", "--presets", "default", "--regressions", str(tmp_path / "reg"), "--out", str(tmp_path / "o")])
+    r = invoke(*args, "--max-time", "1", "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html"))
+    assert r.exit_code == 0, r.output
+    line = "SUMMARY: kvaudit: no new findings; 2 known signature(s) not reported again."
+    assert summary_lines(r.stdout) == [line], r.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["known"] == sigs
+    assert "No new findings; 2 known signature(s) not reported again." in (tmp_path / "r.html").read_text()
+    rep = invoke("report", str(tmp_path / "r.json"), "--html", str(tmp_path / "again.html"))
+    assert rep.exit_code == 0, rep.output
+    assert summary_lines(rep.stdout) == [line], rep.stdout
+    assert "No new findings; 2 known signature(s) not reported again." in (tmp_path / "again.html").read_text()
+
+
 def test_ci_summary_does_not_count_a_suppressed_known_signature_as_known_too(tmp_path):
     """ci --corpus C --suppress S, S covering the known findings C's file records: the preset's row said clean and
     the SUMMARY 'no new findings; 2 suppressed signature(s); 2 known signature(s) not reported again.', the same

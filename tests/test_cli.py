@@ -620,9 +620,31 @@ def test_a_config_the_installed_release_cannot_drive_is_refused_before_its_impor
     got, errors = _refused_in_a_fresh_process([
         (vllm_016, ["fuzz", "--target", "vllm", "--preset", "vllm-cpu-offload-swa", "--max-time", "1"]),
         (sglang_0511, ["fuzz", "--target", "sglang", "--preset", "sglang-hisparse", "--max-time", "1"])], tmp_path)
-    assert got == [[2, []], [2, []]], (got, errors)
+    assert got == [[69, []], [69, []]], (got, errors)  # (a release this host lacks: 69, as a missing engine)
     assert "SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not 0.16.0" in errors[0]
     assert "(the cache_finished_req era) is driven with core pools" in errors[1] and "HiSparse" in errors[1]
+
+
+def test_a_missing_engine_exits_69_as_a_missing_atheris_or_redis_py_does(tmp_path):
+    """``fuzz --target sglang`` without SGLang exited 2 (bad input), ``--fuzzer atheris`` without atheris and
+    ``--db`` without redis-py 69 (EX_UNAVAILABLE): what this host lacks is 69 in every command, its one line
+    giving the install command; an unknown preset is still the user's input (2). Each before an import."""
+    none = ("from kvaudit.targets.sglang import boot as s; s.installed_version = lambda: None\n"
+            "from kvaudit.targets.vllm import boot as v; v.installed_version = lambda: None")
+    sg = os.path.join(ROOT, "corpora", "sglang", "hang-pd-prealloc-never-fits.json")
+    vl = sorted(glob.glob(os.path.join(ROOT, "corpora", "vllm", "*.json")))[0]
+    cases = [["fuzz", "--target", "sglang", "--max-time", "1", "--out", str(tmp_path / "o")],
+             ["fuzz", "--target", "vllm", "--preset", "default", "--max-time", "1", "--out", str(tmp_path / "o")],
+             ["ci", "--target", "sglang", "--max-time", "1", "--out", str(tmp_path / "o")],
+             ["ci", "--target", "vllm", "--presets", "default", "--max-time", "1", "--out", str(tmp_path / "o")],
+             ["replay", sg], ["minimize", vl, "-o", str(tmp_path / "m.json")],
+             ["fuzz", "--target", "sglang", "--preset", "nope", "--max-time", "1"]]
+    got, errors = _refused_in_a_fresh_process([(none, args) for args in cases], tmp_path)
+    assert got == [[69, []]] * (len(cases) - 1) + [[2, []]], (got, errors)
+    assert len(errors) == len(cases), errors
+    assert all("is not installed" in e or "none is installed" in e for e in errors[:-1]), errors
+    assert all("requirements/sglang-cpu.txt" in e for e in errors[0:6:2]), errors
+    assert all("requirements/vllm-cpu.txt" in e for e in errors[1:6:2]), errors
 
 
 def test_minimize_checks_its_output_before_importing_the_engine(tmp_path):
@@ -1232,6 +1254,6 @@ def test_a_replay_file_whose_engine_is_missing_says_the_file_chose_the_target(mo
     path = os.path.join(ROOT, "corpora", "sglang", "hang-pd-prealloc-never-fits.json")
     extra = ["-o", str(tmp_path / "m.json")] if command == "minimize" else []
     r = invoke(command, path, *extra)
-    assert r.exit_code == 2, r.output
+    assert r.exit_code == 69, r.output  # (what this host lacks: 69, as a missing atheris or redis-py)
     assert one_error_line(r) == (f"kvaudit: error: {path} was recorded on --target sglang: --target sglang needs "
                                  "SGLang, which is not installed"), r.output

@@ -968,6 +968,35 @@ def test_a_session_timeout_is_in_the_curl_line_as_in_the_script(tmp_path):
     assert opens and all('"timeout": 7' in ln for ln in opens), opens
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_the_fake_bootstrap_host_the_driver_sent_is_in_the_script_and_the_curl_line(tmp_path, stand_in, batched):
+    """``fake_bootstrap_every`` (every Nth client request carries SGLang's FAKE_BOOTSTRAP_HOST: the history row
+    sglang-36855) was only named in the issue's Environment as not sent: the script's and the curl line's /generate
+    bodies left it out, so a server ran other requests than the driver did. Both send it now, for the requests the
+    driver built with it (r<n>, n % N == N - 1; not a session turn), in a batch as a list."""
+    from kvaudit.program import Idle, Step, Submit, program_to_json
+
+    ops = [Submit(0, 8, 1), Submit(1, 8, 1), Submit(2, 8, 1), Idle()] if batched else \
+        [Submit(0, 8, 1), Step(1), Submit(1, 8, 1), Step(1), Submit(2, 8, 1), Idle()]
+
+    def edit(doc):
+        doc["config"].update(fake_bootstrap_every=2, preset="sglang")
+        doc["program"], doc["findings"] = program_to_json(ops), []
+    script, issue = export_edited(tmp_path, os.path.join(ROOT, "corpora", "sglang", GOLDEN_NAME + ".json"), edit)
+    assert "FAKE_BOOTSTRAP_EVERY = 2 " in script
+    run_client(str(tmp_path / "c.py"), stand_in.url)
+    sent = [(body["rid"], body.get("bootstrap_host")) for _, _, path, body, _, _ in program_calls(stand_in.log)
+            if path == "/generate"]
+    tag = sent[0][0][0].split("r0")[0] if batched else sent[0][0].split("r0")[0]  # (the script's run tag)
+    want = [([tag + r for r in ("r0", "r1", "r2")], [None, "2.2.2.2", None])] if batched else \
+        [(tag + "r0", None), (tag + "r1", "2.2.2.2"), (tag + "r2", None)]
+    assert sent == want, sent
+    curl = [ln for ln in issue.splitlines() if ln.startswith("curl -s") and "/generate" in ln]
+    if batched:  # (an exact plan of one call at a time: the issue has curl lines)
+        assert len(curl) == 1 and '"bootstrap_host": [null, "2.2.2.2", null]' in curl[0], curl
+    assert "fake_bootstrap_every=2 (every Nth request" in _environment(issue)
+
+
 def test_the_issue_shortens_a_long_finding_message_at_a_word(tmp_path):
     # "kvaudit reports: aliasing in token_to_kv_pool (... (or another owner's writes displac), leak ...": the
     # first line of a message was cut at 160 characters, mid-word, in an issue meant for upstream

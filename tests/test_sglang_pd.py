@@ -416,7 +416,7 @@ def test_skipped_release_on_a_decode_server_is_a_leak(core):
     assert ("leak", "req_to_token_pool") in {(f.kind, f.pool) for f in findings}
 
 
-def test_missing_pd_dependency_is_one_line_exit_2(monkeypatch, tmp_path):
+def test_missing_pd_dependency_is_one_line_exit_69(monkeypatch, tmp_path):
     from cli_helpers import invoke, one_error_line
     from kvaudit.targets.sglang import pd
     from kvaudit.targets.sglang.boot import SglangUnavailable
@@ -427,7 +427,7 @@ def test_missing_pd_dependency_is_one_line_exit_2(monkeypatch, tmp_path):
     monkeypatch.setattr(pd, "load_pd", unavailable)
     r = invoke("fuzz", "--target", "sglang", "--preset", "sglang-pd-decode", "--max-time", "5",
                "--out", str(tmp_path / "out"))
-    assert r.exit_code == 2
+    assert r.exit_code == 69  # (a package this host lacks, as a missing atheris or redis-py)
     assert "einops" in one_error_line(r)
 
 

@@ -117,7 +117,7 @@ def test_the_sparse_schedule_meets_the_busy_checks_double_count_where_a_per_step
 def test_a_mode_the_legacy_family_does_not_drive_is_refused_in_one_line(tmp_path):
     r = run_child(["-m", "kvaudit", "fuzz", "--target", "sglang", "--preset", "sglang-pd-decode", "--fuzzer", "random",
                    "--max-time", "5", "--out", str(tmp_path)], "0.5.10.post1")
-    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.returncode == 69, r.stderr[-2000:]  # (a release this host lacks)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "vllm._C" not in ln]
     assert len(lines) == 1 and "cache_finished_req era" in lines[0] and "PD disaggregation" in lines[0], lines
     assert "Traceback" not in r.stderr
@@ -159,7 +159,7 @@ def test_the_target_help_names_every_release_the_kind_drives():
 def test_a_replay_the_installed_release_cannot_drive_names_the_releases_that_can(tmp_path):
     """A preset's refusal named the releases that drive it; a replay file's (the probe's) did not."""
     r = run_child(["-m", "kvaudit", "replay", SWA_FILE], "0.5.11")
-    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.returncode == 69, r.stderr[-2000:]  # (a release this host lacks: 69)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "vllm._C" not in ln]
     assert len(lines) == 1 and lines[0].endswith("SWA (driven on SGLang 0.5.22, 0.5.23; installed 0.5.11)"), lines
 
@@ -323,7 +323,7 @@ def test_the_plain_and_pd_prefill_presets_run_clean_on_0_5_19_to_0_5_21(version)
 def test_a_mode_an_older_current_release_does_not_drive_is_refused_in_one_line(version, tmp_path):
     r = run_child(["-m", "kvaudit", "fuzz", "--target", "sglang", "--preset", "sglang-session", "--fuzzer", "random",
                    "--max-time", "5", "--out", str(tmp_path)], version)
-    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.returncode == 69, r.stderr[-2000:]  # (a release this host lacks)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "vllm._C" not in ln]
     assert len(lines) == 1 and version in lines[0] and "sessions" in lines[0], lines
 

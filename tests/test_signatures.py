@@ -767,6 +767,28 @@ def test_the_contents_frees_took_are_kept_per_slot_bounded_by_the_pool():
     assert sizes == [sum(pools.values()) * FREED_CONTENTS * 16] * 3
 
 
+def test_a_fresh_auditors_store_of_freed_contents_is_all_zeros_so_the_os_hands_out_its_pages_as_frees_touch_them():
+    """The store's free ids were np.full(-1) (none): every Auditor outside a lean run (each replay, each program a
+    minimization tries) wrote its whole [slots, FREED_CONTENTS] at once: on a 1,048,576-slot pool 32 MiB resident
+    and ~40 ms before the first op (benchmarks/audit_scale.py's engine). It holds a free's id + 1 now (0: none), so
+    both arrays are np.zeros, untouched until a free writes them; the read above still names its free."""
+    from kvaudit.audit.runner import AuditedRun
+
+    with AuditedRun(get_preset("default").config()) as run:
+        store = run.auditor.freed_contents
+        assert store and not any(a.any() for arrays in store.values() for a in arrays)
+        assert run.auditor._freed_what_was_wanted("token_to_kv_pool", np.arange(4), np.ones(4, np.int64)) == -1
+        for op in (Submit(0, 8, 2), Idle(), FlushCache(), Idle()):  # (the flush frees what the tree cached)
+            assert not run.apply(op), run.findings
+        contents, frees = store["token_to_kv_pool"]
+        taken = np.flatnonzero(frees[:, 0])  # (the slots a free took content from: their newest entry)
+        assert taken.size and (frees[taken, 0] - 1 < len(run.auditor.events)).all()
+        last = int(frees[taken, 0].max()) - 1
+        assert run.auditor.events[last].kind == "free"
+        slot = int(taken[frees[taken, 0] == last + 1][0])
+        assert run.auditor._freed_what_was_wanted("token_to_kv_pool", np.array([slot]), contents[[slot], 0]) == last
+
+
 # aborted-kv-inserted on hicache (the bug's preset is overlap): the aborted request's unwritten position 10, cached in
 # the tree, demoted to host and loaded back into another slot; req 10 reads it there
 ABORTED_KV_LOADED_BACK = [Submit(0, 1, 1), Submit(0, 1, 1), Submit(0, 10, 1), Submit(0, 10, 4), Idle(), Submit(1, 48, 1),

@@ -16,6 +16,7 @@ from kvaudit.config import ConfigBase, Preset, json_value
 from kvaudit.audit.hooks import Auditor
 from kvaudit.targets import config_from_dict, make_target, registry
 from kvaudit.targets.base import Accounting, PoolSpec, Root, Target, TargetFinding
+from kvaudit.targets.eut.presets import EutConfig
 
 registry.kinds()  # the built-ins register first, as in a command's run
 import rowtoy_plugin  # noqa: E402  (registers the kind "rowtoy" in this process)
@@ -967,13 +968,14 @@ def test_a_plugins_tables_are_read_once_its_module_has_imported(tmp_path, monkey
     assert r.exit_code == 2, r.output
     line = one_error_line(r)
     assert '--presets: unknown preset "default"' in line and "--target eut" not in line, line
-    # its engine not installed: fuzz and ci say so in one line (exit 2), not an internal error (tester 60a);
-    # another kind's unknown preset still gets its one line (the hint skips the kind it cannot list)
+    # its engine not installed: fuzz and ci say so in one line (exit 69, what this host lacks, as its replay
+    # files below), not an internal error (tester 60a); another kind's unknown preset still gets its one line
+    # (exit 2: the hint skips the kind it cannot list)
     for args in (("fuzz", "--target", "gone", "--max-time", "1", "--out", str(tmp_path / "g")),
                  ("ci", "--target", "gone", "--max-time", "1"),
                  ("fuzz", "--preset", "nope", "--max-time", "1", "--out", str(tmp_path / "g"))):
         r = invoke(*args)
-        assert r.exit_code == 2, (args, r.output)
+        assert r.exit_code == (69 if "gone" in args else 2), (args, r.output)
         line = one_error_line(r)
         assert ("engine foo is not installed: pip install foo" in line) == ("gone" in args), (args, line)
     # a replay file of its kind: one line, exit 69 (this host lacks the engine), and ci's JUnit error (tester 60c)
@@ -1072,6 +1074,61 @@ def test_a_plugins_crash_by_must_return_a_string_or_its_crash_file_could_not_be_
         return
     [f] = crash(run, exc)
     assert f.signature.endswith("/req:retried") and Finding.from_dict(f.to_dict()).signature == f.signature
+
+
+@dataclass(frozen=True)
+class RowMapToyConfig(EutConfig):
+    target: str = "rowmaptoy"
+
+
+def _row_map_toy(mistake: str | None):
+    """The built-in engine's target as a plugin's, one of its row maps gone wrong (``mistake``)."""
+    from kvaudit.targets.eut.target import EutTarget
+
+    class UnitsNotByPool(EutTarget):
+        def units_of_rows(self, rows, lengths=None):
+            return super().units_of_rows(rows, lengths)["token_to_kv_pool"]  # the units, not {pool: units}
+
+    class TenantsPastThePool(EutTarget):
+        def units_of_tenants(self, rows):
+            got = super().units_of_tenants(rows)
+            return None if got is None else {p: u + 10_000 for p, u in got.items()}
+
+    return {"units_of_rows": UnitsNotByPool, "units_of_tenants": TenantsPastThePool, None: EutTarget}[mistake]
+
+
+@pytest.mark.parametrize("method", ["units_of_rows", "units_of_tenants"])
+def test_a_plugins_units_of_rows_or_tenants_of_the_wrong_shape_is_the_targets_one_line_not_an_engine_crash(method):
+    """A plugin's ``units_of_rows`` returning the units (not ``{pool: units}``) was 'Engine crash: ValueError: The
+    truth value of an array ... crash/-/ValueError@?' (exit 1, a replay file), from inside the leak oracle; units
+    past the pool's would index its ledger out of range. check_reads_always checks both reads, naming the method."""
+    from kvaudit.audit.runner import execute
+    from kvaudit.targets.base import check_reads_always
+
+    path = os.path.join(HERE, "..", "corpora", "regressions", "prefill-finish-leaks-row.json")
+    config, program, recorded, _ = replay.load(path)
+    cls = _row_map_toy(method)
+    registry.register(registry.TargetKind(
+        "rowmaptoy", "the built-in engine behind a plugin whose row map goes wrong", RowMapToyConfig,
+        presets=lambda: {"leaky": Preset("leaky", "the row leak", {}, RowMapToyConfig)}, make=cls,
+        default_preset="leaky"))
+    try:
+        toy = RowMapToyConfig(**{k: v for k, v in config.to_dict().items() if k != "target"})
+        with pytest.raises(registry.TargetDefinitionError, match=re.escape(f"target rowmaptoy: {cls.__name__}.{method}(")
+                           + ".*" + re.escape("must return None or {declared pool: [n] integer numpy array of units in "
+                                              "[0, num_units]}, got ")) as e:
+            execute(toy, program, full_stacks=False)
+        assert "\n" not in str(e.value), str(e.value)  # (one line: a numpy array's repr wraps)
+    finally:
+        registry._KINDS.pop("rowmaptoy")
+    assert recorded[0].kind == "leak"  # (the program leaks a row: the leak oracle reads the row map)
+    target = _row_map_toy(None)(config)  # what the built-in target returns passes: 0 (a row's empty entry) included
+    try:
+        check_reads_always(target, "eut-as-plugin")
+        assert target.units_of_rows(np.zeros(0, dtype=np.int64))["token_to_kv_pool"].size == 0
+        assert 0 in target.units_of_rows(np.array([1]))["token_to_kv_pool"]
+    finally:
+        target.close()
 
 
 def test_a_long_signature_s_replay_file_has_a_name_the_file_system_takes(tmp_path):

@@ -114,11 +114,8 @@ def _print_verdict(console, result, sset) -> None:
     idle = [] if result.failed or result.interrupted else result.nothing_searched
     where = f"in {len(idle)} of {len(result.fuzz)} preset(s) ({', '.join(idle)})"
     runs = [findings for run in result.fuzz for _, findings, _ in run.new]
-    # (as a campaign's: the distinct known signatures no preset reported as new; one a rule suppressed when its
-    # file was replayed is counted as suppressed, as the preset's row says clean, not known still open)
-    known = {sig for run in result.fuzz for sig in run.known} - {f.signature for fs in runs for f in fs}
-    known -= set(unwritten) | (sset.suppressed_signatures() if sset is not None else set())
-    console.print(new_findings_line(runs, suppressed_by_kind(sset), result.interrupted, unwritten, len(known))
+    console.print(new_findings_line(runs, suppressed_by_kind(sset), result.interrupted, unwritten,
+                                    len(_known(result, sset)))
                   if not idle else
                   NOTHING_SEARCHED_SUMMARY if len(idle) == len(result.fuzz) else
                   f"SUMMARY: kvaudit: nothing searched {where}: its share ended before the first program ran; "
@@ -219,6 +216,16 @@ def _print_table(console, result) -> None:
     print_table(console, t)
 
 
+def _known(result, sset) -> list[str]:
+    """The job's known signatures, sorted: as a campaign's, the distinct ones no preset reported as new; one a rule
+    suppressed when its file was replayed is counted as suppressed, as the preset's row says clean, not known still
+    open."""
+    new = {f.signature for run in result.fuzz for _, findings, _ in run.new for f in findings}
+    known = {sig for run in result.fuzz for sig in run.known} - new
+    unwritten = {sig for run in result.fuzz for sig in run.unwritten}
+    return sorted(known - unwritten - (sset.suppressed_signatures() if sset is not None else set()))
+
+
 def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err, fuzzed: bool):
     """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones): each it can;
     ``fuzzed``: the job searched (not --max-time 0), so they give its executions, the presets' sum, as ``fuzz``'s.
@@ -259,6 +266,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
                      **({"interrupted": True} if result.interrupted else {}),  # (the HTML's verdict says so)
                      **({"executions": sum(run.executions for run in result.fuzz)} if fuzzed else {}),
                      **({"nothing_searched": idle} if idle else {}),  # (exit 5: the presets that ran no program)
+                     **({"known": known} if (known := _known(result, sset)) else {}),  # (its SUMMARY line's count)
                      **({"reached": reached} if (reached := ci.reached_by_preset(result)) else {})}
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                                    extra, suppressions=sset, ran=ran), err,

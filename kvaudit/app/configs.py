@@ -83,7 +83,8 @@ def common_options(f):
 
 
 def require_target(config, recorded_in: str | None = None) -> None:
-    """Raises :class:`InputError` unless the config's engine can run here (its kind's ``probe``), and
+    """Raises :class:`UnavailableError` (69) unless the config's engine can run here (its kind's ``probe``: not
+    installed, or a release that cannot drive it), :class:`InputError` for a kind not registered, and
     :class:`kvaudit.targets.registry.TargetDefinitionError` unless a plugin kind's target, built once now,
     keeps the target API (the built-in kinds' tests hold theirs): each a one-line error. ``recorded_in``: the
     replay file ``config`` came from, named first (the user gave no ``--target``: the file did)."""
@@ -92,7 +93,8 @@ def require_target(config, recorded_in: str | None = None) -> None:
         kind.probe(config)
     except (registry.TargetUnavailable, registry.UnknownTargetError) as e:
         where = f"{shown_path(recorded_in)} was recorded on --target {config.target}: " if recorded_in else ""
-        raise InputError(where + str(e)) from None
+        # NOTE: what this host lacks, as atheris and redis-py: 69, not the user's input (2)
+        raise (UnavailableError if isinstance(e, registry.TargetUnavailable) else InputError)(where + str(e)) from None
     if kind.name in registry.BUILTIN_KINDS:
         return
     target = make_target(config)  # (TargetDefinitionError: one line, exit 2, a constructor's error among them)
@@ -105,17 +107,19 @@ def require_target(config, recorded_in: str | None = None) -> None:
 
 def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None,
                   target: str = registry.DEFAULT_KIND, tree_core: str | None = None):
-    """The config the :data:`COMMON_OPTIONS` name. Raises :class:`InputError` for a bad combination."""
+    """The config the :data:`COMMON_OPTIONS` name. Raises :class:`InputError` for a bad combination,
+    :class:`UnavailableError` where its engine cannot run here (:func:`require_target`)."""
     check_device(device)
     kind = registry.get(target)  # --target's TargetChoice checked the name
     if tree_core is not None and "tree_core" not in kind.options:
         raise InputError(f"--tree-core applies to --target {', '.join(_with_option('tree_core'))} only")
     try:
         chosen = kind.preset(preset)
-    except UnknownPresetError as e:
-        raise InputError(str(e) + _other_kind_hint(kind, preset)) from None
+    except UnknownPresetError as e:  # (one the installed release cannot drive: a release this host lacks, 69)
+        raise (UnavailableError(str(e)) if kind.refusal(kind.default_preset if preset == "default" else preset)
+               else InputError(str(e) + _other_kind_hint(kind, preset))) from None
     except registry.TargetUnavailable as e:  # a plugin's presets() that needs its engine (as require_target says)
-        raise InputError(str(e)) from None
+        raise UnavailableError(str(e)) from None
     if model not in kind.model_choices:
         raise InputError(f"--model {model} is for the built-in engine: --target {kind.name} computes no KV")
     check_bugs(kind, bugs)
@@ -181,13 +185,13 @@ def names_arg(value: str, valid, what: str, hint: str, every: str | None = "all"
 
 def presets_arg(option: str, value: str, target: str = registry.DEFAULT_KIND) -> list[str]:
     """``option``'s ``all`` or comma-separated list of the ``target`` kind's presets (:func:`names_arg`); a
-    preset the kind knows but the installed release cannot drive says which release can (``kind.refusal``),
-    one that another kind has says to add its ``--target``."""
+    preset the kind knows but the installed release cannot drive says which release can (``kind.refusal``:
+    :class:`UnavailableError`, 69), one that another kind has says to add its ``--target``."""
     kind = registry.get(target)
     try:
         presets = kind.presets()
     except registry.TargetUnavailable as e:  # (as select_config says it)
-        raise InputError(str(e)) from None
+        raise UnavailableError(str(e)) from None
     # `default` names the kind's default preset, as --preset's default does
     value = ",".join(kind.default_preset if n.strip() == "default" else n for n in value.split(","))
     try:
@@ -196,7 +200,7 @@ def presets_arg(option: str, value: str, target: str = registry.DEFAULT_KIND) ->
         bad = next((n.strip() for n in value.split(",") if n.strip() and n.strip() not in presets), None)
         refused = bad and kind.refusal(bad)
         if refused:
-            raise InputError(f"{option}: {refused}") from None
+            raise UnavailableError(f"{option}: {refused}") from None
         raise InputError(str(e) + (_other_kind_hint(kind, bad) if bad else "")) from None
 
 

@@ -372,6 +372,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     for key, sigs in (("found_by_another_host", result.fleet), ("not_written", result.unwritten)):
         if sigs:  # signature -> its file here (pulled from the fleet), or the file it would have had (disk full)
             extra[key] = dict(sorted(sigs.items()))
+    if result.known:  # (the SUMMARY line's "N known signature(s) not reported again", which kvaudit report says)
+        extra["known"] = sorted(result.known)
     kept, also = tuple(sorted(set(result.new.values()))), list(result.also_not_written)
     try:
         kept += tuple(write_reports(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset),

@@ -10,7 +10,7 @@ from kvaudit.app.errors import EXIT_CLEAN, InputError, unreadable
 from kvaudit.app.files import check_outputs, write_reports
 from kvaudit.app.progress import console as make_console
 from kvaudit.reports.outputs import Case, Outputs, ReportData, not_all_checked
-from kvaudit.reports.report import NOTHING_SEARCHED_SUMMARY, print_cases
+from kvaudit.reports.report import NOTHING_SEARCHED_SUMMARY, new_findings_line, print_cases
 from kvaudit.reports.timeline import is_valid as timeline_is_valid
 
 
@@ -50,11 +50,15 @@ def run(file: str, outputs: Outputs) -> int:
     data = ReportData(config, cases, suppressed, extra)
     # the recorded suppressed counts in the summary table and the SUMMARY line, as the run printed them
     short = not_all_checked(data)  # a run cut short, or that searched nothing: its closing line says so, as its files
+    interrupted, idle = (short is not None and short[0] == name for name in ("interrupted", "nothing searched"))
+    known = doc.get("known")  # a campaign's or ci's: it closes as the run did, its known signatures counted
     print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], suppressed=suppressed,
-                recorded=data.recorded, interrupted=short is not None and short[0] == "interrupted",
-                closing=short is None or short[0] != "nothing searched")
-    if short is not None and short[0] == "nothing searched":
+                recorded=data.recorded, interrupted=interrupted, closing=not idle and known is None)
+    if idle:
         console.print(NOTHING_SEARCHED_SUMMARY, soft_wrap=True)
+    elif known is not None:
+        console.print(new_findings_line([c.findings for c in cases], suppressed, interrupted, known=len(known)),
+                      soft_wrap=True)
     if doc.get("regressions_failed"):  # a ci job's failed regression files: its verdict, as its --html says it
         console.print(f"FAILED: {doc['regressions_failed']}", soft_wrap=True, markup=False)
     write_reports(outputs, data, make_console(stderr=True))
@@ -77,4 +81,6 @@ _FACTS = {
     "nothing_searched": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of presets"),
     "regressions_failed": (lambda v: isinstance(v, str), "a string"),
     "seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),
+    "known": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+              "a list of signatures (the known ones, found before and not reported again)"),
 }

@@ -409,11 +409,13 @@ class Auditor(Ledger, PoolWrappers):
         # (a copy per free; only a report reads it, to tell a stale read's cause: _stale_kv)
         self.tags_at_free = {p: np.zeros_like(t) for p, t in self.shadow.tags.items()
                              if p in self.ledgers and self.ledgers[p].refs is None}
-        # pool -> ([slots, FREED_CONTENTS] tags, the same shape of free event ids, -1 none): per slot the contents
+        # pool -> ([slots, FREED_CONTENTS] tags, the same shape of free event ids + 1, 0 none): per slot the contents
         # its latest frees took, newest first, each with the latest free that took it (_freed_what_was_wanted);
-        # bounded by the pool (a list of every free's tags grew with the run: 3.4 MB over a 12,000-op replay)
+        # bounded by the pool (a list of every free's tags grew with the run: 3.4 MB over a 12,000-op replay).
+        # NOTE: zeros, never filled: the OS hands the pages out as the frees touch them (a 1M-slot pool's -1 fill
+        # cost every Auditor 32 MiB resident and ~40 ms)
         self.freed_contents = {p: (np.zeros((t.size, FREED_CONTENTS), np.int64),
-                                   np.full((t.size, FREED_CONTENTS), -1, np.int64)) for p, t in self.tags_at_free.items()}
+                                   np.zeros((t.size, FREED_CONTENTS), np.int64)) for p, t in self.tags_at_free.items()}
         # a copy of unwritten content (never written, or _unwritten) into each slot since its last free: the tag it
         # put there and the allocation (event id + 1, 0 for none) that handed the content out unwritten. A copy
         # carries a slot's tag; this, that no allocation wrote it (a demote to host and the load-back)
@@ -440,9 +442,9 @@ class Auditor(Ledger, PoolWrappers):
         contents, frees = self.freed_contents[pool]
         slots, first = np.unique(slots, return_index=True)
         tags = tags[first]
-        moved = slots[(frees[slots, 0] < 0) | (contents[slots, 0] != tags)]
+        moved = slots[(frees[slots, 0] == 0) | (contents[slots, 0] != tags)]
         contents[moved, 1:], frees[moved, 1:] = contents[moved, :-1], frees[moved, :-1]
-        contents[slots, 0], frees[slots, 0] = tags, eid
+        contents[slots, 0], frees[slots, 0] = tags, eid + 1
 
     def _carried(self, pool: str, slots: np.ndarray) -> np.ndarray:
         # [n] bool: which of ``slots`` hold a copy of unwritten content, as the copy left them (self.carried)
@@ -478,8 +480,8 @@ class Auditor(Ledger, PoolWrappers):
         # (``wanted``, one per slot), -1 for none: that free took the reader's content (looked for among each
         # slot's last FREED_CONTENTS contents)
         contents, frees = self.freed_contents[pool]
-        took = np.where(contents[slots] == wanted[:, None], frees[slots], -1)
-        return int(took.max()) if took.size else -1
+        took = np.where(contents[slots] == wanted[:, None], frees[slots], 0)
+        return int(took.max()) - 1 if took.size else -1
 
     def _stale_kv(self, pool: str, slots, message: str, expected=None) -> None:
         # report(pool, slots, message[, expected]), called by the target's install_shadow: slots any integer

@@ -53,6 +53,7 @@ class Plan:
     traced: bool
     open_at_end: list[str]
     engine: str  # the kind whose HTTP table the calls follow (a replay config's target)
+    config: object = None  # the replay config the calls reproduce (what an engine's curl lines send beside them)
 
     @property
     def exact(self) -> bool:
@@ -210,7 +211,7 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
     for k, c in enumerate(calls):
         if c.kind == "wait" and not any(x.kind not in ("wait", "idle") for x in calls[k + 1:]):
             c.exact, c.note = True, "the program's last step: the script waits and then looks"
-    return Plan(calls, [format_op(op) for op in program], tr is not None, list(sessions), engine)
+    return Plan(calls, [format_op(op) for op in program], tr is not None, list(sessions), engine, config)
 
 
 def _mark_holds(calls: list[Call], tr: Trace | None, same_intake_submits: bool = True) -> None:

@@ -202,8 +202,9 @@ def _html(data: ReportData) -> str:
 
     return render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
                        extra={k: ", ".join(v) if k == "nothing_searched" else _reach_html(data)
-                              if k == "reached" else v for k, v in data.extra.items()
-                              if isinstance(v, (str, int, float)) or k in ("nothing_searched", "reached")},  # (ci's presets)
+                              if k == "reached" else len(v) if k == "known" else v for k, v in data.extra.items()
+                              if isinstance(v, (str, int, float))
+                              or k in ("nothing_searched", "reached", "known")},  # (ci's presets; known: a count)
                        recorded=data.recorded, ran=data.ran)
 
 

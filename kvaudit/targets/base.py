@@ -598,9 +598,14 @@ def _int_units(u) -> bool:
 
 def _read_rules(pools: dict) -> dict:
     """A plugin target's reads past ``roots()`` that :func:`check_reads_always` checks at every call: method ->
-    (does the value keep the API?, what the method must return). ``pools``: the declared pools' names."""
+    (does the value keep the API?, what the method must return). ``pools``: the declared pools' names -> their
+    ``num_units``."""
     def by_pool(v, fits):
         return isinstance(v, dict) and all(p in pools and fits(x) for p, x in v.items())
+
+    def units_by_pool(v):  # (the oracles index each pool's ledger by them: 0, a row table's empty entry, too)
+        return v is None or isinstance(v, dict) and all(
+            p in pools and _int_units(u) and (not u.size or 0 <= u.min() and u.max() <= pools[p]) for p, u in v.items())
 
     def by_name(v):
         return isinstance(v, dict) and all(isinstance(k, str) and _int(x) for k, x in v.items())
@@ -634,6 +639,9 @@ def _read_rules(pools: dict) -> dict:
         "lost_by": (per_unit_text, "None or a list of strings (one per unit)"),  # (a signature's part, as crash_by)
         "freed_by": (per_unit_text, "None or a list of strings (one per unit)"),
         "dropped_by": (lambda v: v is None or isinstance(v, str), "a string or None"),  # (the check's last part)
+        "units_of_rows": (units_by_pool, "None or {declared pool: [n] integer numpy array of units in [0, num_units]}"),
+        "units_of_tenants": (units_by_pool,
+                             "None or {declared pool: [n] integer numpy array of units in [0, num_units]}"),
     }
 
 
@@ -694,7 +702,7 @@ def check_reads_always(target, kind: str) -> None:
         return labelled
 
     target.roots = roots
-    for method, (fits, what) in _read_rules(set(sizes)).items():
+    for method, (fits, what) in _read_rules(sizes).items():
         if getattr(cls, method) is not getattr(Target, method):
             setattr(target, method, checked(method, fits, what))
     for method in LABELS:

@@ -24,7 +24,7 @@ INSTALL_HINT = install_hint("sglang-cpu.txt")  # (a wheel's: its shipped copy's 
 
 
 class SglangUnavailable(RuntimeError):
-    """SGLang is missing, or not a version (or API) this target drives; a one-line message (exit 2)."""
+    """SGLang is missing, or not a version (or API) this target drives; a one-line message (exit 69)."""
 
 
 def installed_version() -> str | None:

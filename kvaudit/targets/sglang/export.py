@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import shlex
+from types import SimpleNamespace
 
 from kvaudit.targets.export_api import (ApiCall, ClientParts, EngineApi, EngineExport, IssueParts, launch_line,
                                         planted_faults)
 from kvaudit.targets.sglang.config import FAULTS
 
 STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1"  # the idle memory check raises, not warns
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang/srt/disaggregation/utils.py's: a request with it skips the radix insert
 # MODEL in the launch lines: any model whose vocabulary has the token ids 2..127 (every real one does)
 
 API = EngineApi(
@@ -159,9 +161,9 @@ def _pd_flags(c) -> tuple[list[str], list[str], list[str]]:
                         f"steps after it arrives{lost}, and a transfer lands transfer_latency_steps after it is "
                         f"sent{reads}; on a server these are the decode server's and the network's)")
     if c.fake_bootstrap_every is not None:  # (io_struct.py's GenerateReqInput.bootstrap_host; disaggregation/utils.py)
-        unmapped.append(f"fake_bootstrap_every={c.fake_bootstrap_every} (every Nth request carried bootstrap_host "
-                        "2.2.2.2, SGLang's FAKE_BOOTSTRAP_HOST, here; the script does not send it: add "
-                        "\"bootstrap_host\": \"2.2.2.2\" to those /generate bodies)")
+        unmapped.append(f"fake_bootstrap_every={c.fake_bootstrap_every} (every Nth request, r<n> with n % N == N - 1, "
+                        f"not a session turn, carries bootstrap_host {FAKE_BOOTSTRAP_HOST}, SGLang's "
+                        "FAKE_BOOTSTRAP_HOST: a client's field, which the script and the curl lines send)")
     if c.enable_hisparse and c.hisparse_staging_steps:
         unmapped.append(f"hisparse_staging_steps={c.hisparse_staging_steps} (kvaudit's staging copy stays in flight "
                         "that many steps; on a server it takes what the CUDA copy takes)")
@@ -222,7 +224,8 @@ SGLANG_API = r'''
 
     def generate(self, items, session_params=None, label=""):
         """items: (rid, input_ids, max_new_tokens, hold); one item is a plain request, several a batch
-        (lists), all sharing ``session_params``."""
+        (lists), all sharing ``session_params``; a request fake_bootstrap() names (not a session turn) carries
+        bootstrap_host."""
         # SGLang refuses (400) input + max_new_tokens past --context-length: a hold is capped to fit it
         params = [{"max_new_tokens": max(m, min(m + (self.hold_tokens if hold else 0), MAX_MODEL_LEN - len(x))),
                    "temperature": 0.0, "ignore_eos": True} for _, x, m, hold in items]
@@ -235,6 +238,10 @@ SGLANG_API = r'''
             if "rid" in sp:
                 sp["rid"] = self.tag + sp["rid"]
             body["session_params"] = sp
+        hosts = [FAKE_BOOTSTRAP_HOST if session_params is None and fake_bootstrap(rid) else None
+                 for rid, _, _, _ in items]
+        if any(hosts):
+            body["bootstrap_host"] = hosts[0] if len(items) == 1 else hosts
         self.send(label or "generate " + ",".join(r for r, _, _, _ in items), "POST", "/generate", body,
                   background=True)
 
@@ -264,6 +271,13 @@ SGLANG_FUNCS = r'''
 def engine_args(ap):
     ap.add_argument("--metrics-url", default=None,
                     help="where to read /metrics (default: --url; behind a PD router: the decode server)")
+
+
+def fake_bootstrap(rid):
+    """Whether the program's request rid (r<n>) carried SGLang's FAKE_BOOTSTRAP_HOST where kvaudit found this:
+    every FAKE_BOOTSTRAP_EVERY-th, n % N == N - 1 (its config's fake_bootstrap_every; None: none)."""
+    n = FAKE_BOOTSTRAP_EVERY
+    return n is not None and rid[:1] == "r" and rid[1:].isdigit() and int(rid[1:]) % n == n - 1
 
 
 def server_line(c):
@@ -395,6 +409,9 @@ def curl_lines(plan, url: str) -> list[str]:
                 {"input_ids": items[0].input_ids, "rid": items[0].rid, "sampling_params": params[0]}
             if a["session_params"] is not None:
                 body["session_params"] = a["session_params"]
+            hosts = [_fake_host(plan.config, i.rid) if a["session_params"] is None else None for i in items]
+            if any(hosts):
+                body["bootstrap_host"] = hosts if len(items) > 1 else hosts[0]
             out.append(post("generate", body))
         elif c.kind == "close_session":
             out.append(post("close_session", {"session_id": a["session"]}))
@@ -409,6 +426,22 @@ def curl_lines(plan, url: str) -> list[str]:
         elif c.kind in ("wait", "idle"):
             out.append(f"curl -s {url}/health   # then: is the server still up?")
     return out
+
+
+def _fake_host(config, rid: str) -> str | None:
+    """SGLang's ``FAKE_BOOTSTRAP_HOST`` (``disaggregation/utils.py``) for a request (not a session turn) the driver
+    sent with it (``fake_bootstrap_every``: ``SglangIntake.fake_bootstrap``), else None."""
+    if config is None or config.fake_bootstrap_every is None:
+        return None
+    from kvaudit.targets.sglang.intake import SglangIntake  # (its rule, on the config alone)
+    return FAKE_BOOTSTRAP_HOST if SglangIntake.fake_bootstrap(SimpleNamespace(config=config), rid) else None
+
+
+def _client_consts(config) -> tuple[str, ...]:
+    # the script's constants for fake_bootstrap(): the same rule as the driver's (SglangIntake.fake_bootstrap)
+    return (f"FAKE_BOOTSTRAP_EVERY = {config.fake_bootstrap_every!r}  # fake_bootstrap_every: every Nth request "
+            "carries bootstrap_host", f"FAKE_BOOTSTRAP_HOST = {FAKE_BOOTSTRAP_HOST!r}  # SGLang's, "
+            "disaggregation/utils.py: Req skips the radix insert")
 
 
 def trace_views(target):
@@ -443,5 +476,5 @@ EXPORT = EngineExport(
     expected_pool="the pool does not come back (after closing every session and flushing, kv_available_tokens "
                   "is below its value before the program, or kv_used_tokens > 0), or the server fails",
     batch_submits=True, deferred_flush=True, curl=curl_lines, trace_views=trace_views, planted=planted_faults(FAULTS),
-    unseen_pool=unseen_pool, client_sizes=lambda c: (None, c.context_len),
+    unseen_pool=unseen_pool, client_sizes=lambda c: (None, c.context_len), client_consts=_client_consts,
 )

@@ -29,7 +29,7 @@ NEW_CONNECTORS = ("OffloadingConnector", "LMCacheMPConnector", "MultiConnector")
 
 
 class VllmUnavailable(RuntimeError):
-    """vLLM is not installed, or not a version this target drives: one line, the CLI's exit-2 error."""
+    """vLLM is not installed, or not a version this target drives: one line, the CLI's exit-69 error."""
 
 
 def installed_version() -> str | None:

@@ -47,6 +47,8 @@ DEFAULT_URL = 'http://127.0.0.1:30000'
 UNSEEN = None
 UNSENT = None
 SERVER_KEYS = ['enable_streaming_session', 'page_size', 'max_total_tokens', 'disable_overlap_schedule', 'chunked_prefill_size', 'enable_hisparse', 'disaggregation_mode']
+FAKE_BOOTSTRAP_EVERY = None  # fake_bootstrap_every: every Nth request carries bootstrap_host
+FAKE_BOOTSTRAP_HOST = '2.2.2.2'  # SGLang's, disaggregation/utils.py: Req skips the radix insert
 MAX_MODEL_LEN = 96
 APPROXIMATIONS = []
 
@@ -134,7 +136,8 @@ class Client:
 
     def generate(self, items, session_params=None, label=""):
         """items: (rid, input_ids, max_new_tokens, hold); one item is a plain request, several a batch
-        (lists), all sharing ``session_params``."""
+        (lists), all sharing ``session_params``; a request fake_bootstrap() names (not a session turn) carries
+        bootstrap_host."""
         # SGLang refuses (400) input + max_new_tokens past --context-length: a hold is capped to fit it
         params = [{"max_new_tokens": max(m, min(m + (self.hold_tokens if hold else 0), MAX_MODEL_LEN - len(x))),
                    "temperature": 0.0, "ignore_eos": True} for _, x, m, hold in items]
@@ -147,6 +150,10 @@ class Client:
             if "rid" in sp:
                 sp["rid"] = self.tag + sp["rid"]
             body["session_params"] = sp
+        hosts = [FAKE_BOOTSTRAP_HOST if session_params is None and fake_bootstrap(rid) else None
+                 for rid, _, _, _ in items]
+        if any(hosts):
+            body["bootstrap_host"] = hosts[0] if len(items) == 1 else hosts
         self.send(label or "generate " + ",".join(r for r, _, _, _ in items), "POST", "/generate", body,
                   background=True)
 
@@ -250,6 +257,13 @@ def program(c):
 def engine_args(ap):
     ap.add_argument("--metrics-url", default=None,
                     help="where to read /metrics (default: --url; behind a PD router: the decode server)")
+
+
+def fake_bootstrap(rid):
+    """Whether the program's request rid (r<n>) carried SGLang's FAKE_BOOTSTRAP_HOST where kvaudit found this:
+    every FAKE_BOOTSTRAP_EVERY-th, n % N == N - 1 (its config's fake_bootstrap_every; None: none)."""
+    n = FAKE_BOOTSTRAP_EVERY
+    return n is not None and rid[:1] == "r" and rid[1:].isdigit() and int(rid[1:]) % n == n - 1
 
 
 def server_line(c):
