@@ -475,6 +475,8 @@ class AuditedRun:
     def _answer(self, found: list[Finding], sift: Callable[[list[Finding]], list[Finding]]) -> list[Finding]:
         # what an op or the end check reports (and keeps): sifted (by apply's sift) and merged, or the localizing
         # replay's findings
+        if not found and self._replayed is None:
+            return found  # (most ops: nothing to sift, merge or keep)
         if self._replayed is None:
             found = _merge_same_signature(sift(found))
         if self._replayed is not None:
