@@ -466,8 +466,10 @@ class AuditedRun:
         # the oracles see (OpSpec.ends: an abort, a flush, a pause ... releases at the next intake): a full
         # check of what the steps left, which a per-step run has checked (else a leak a flush wipes, or a
         # use-after-free whose request an abort releases, is never met)
+        if not self.unchecked:
+            return []
         spec = OPS.get(getattr(op, "kind", ""))
-        if not self.unchecked or spec is None or not spec.ends:
+        if spec is None or not spec.ends:
             return []
         self.unchecked = self.check_every  # due now
         return self._sift(self._check())
