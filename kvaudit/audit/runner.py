@@ -375,8 +375,7 @@ class AuditedRun:
                                         f"self.steps at {self.target.steps}: a target's step() must add 1 to self.steps")
         if self._sparse and not aud.pending:
             # NOTE: most steps of a sparse run end here: _check's not-due answer without its call (transient()
-            # asked once a step, as there)
-            aud._step = self.target.steps
+            # asked once a step, as there; the auditor's step, stored before the step, is the target's now)
             transient = self.target.transient()
             if self.unchecked < self.check_every and not transient:
                 if self.on_step is not None:
