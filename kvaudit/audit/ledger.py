@@ -5,7 +5,7 @@ caught as they happen. Design notes: docs/internals/audit.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,8 +15,9 @@ from kvaudit.targets.base import PoolSpec
 SMALL_EVENT = 64  # events up to this many units take the scalar fast path (numpy call overhead dominates)
 
 
-@dataclass(slots=True)
-class Event:
+class Event(NamedTuple):
+    """One alloc or free the ledger recorded (``Ledger.events[id]``)."""
+
     id: int
     kind: str  # "alloc" | "free"
     pool: str
@@ -24,6 +25,9 @@ class Event:
     op_index: int
     step: int
     site: int
+
+
+_new_tuple = tuple.__new__
 
 
 def _as_list(units) -> list[int]:
@@ -57,8 +61,9 @@ class Ledger:
     ``pending``); sites come from the auditor."""
 
     def _event(self, kind: str, pool: str, units: list[int], sid: int) -> Event:
-        # (the auditor's op_index and step as stored: their properties' getters, without the calls)
-        ev = Event(len(self.events), kind, pool, units, self._op_index, self._step, sid)
+        # (the auditor's op_index and step as stored: their properties' getters, without the calls; built by
+        # tuple.__new__ at once, without the named tuple's own __new__ frame: one event per alloc and free)
+        ev = _new_tuple(Event, (len(self.events), kind, pool, units, self._op_index, self._step, sid))
         self.events.append(ev)
         return ev
 

@@ -375,8 +375,7 @@ class AuditedRun:
                                         f"self.steps at {self.target.steps}: a target's step() must add 1 to self.steps")
         if self._sparse and not aud.pending:
             # NOTE: most steps of a sparse run end here: _check's not-due answer without its call (transient()
-            # asked once a step, as there)
-            aud._step = self.target.steps
+            # asked once a step, as there; the auditor's step, stored before the step, is the target's now)
             transient = self.target.transient()
             if self.unchecked < self.check_every and not transient:
                 if self.on_step is not None:
@@ -466,8 +465,10 @@ class AuditedRun:
         # the oracles see (OpSpec.ends: an abort, a flush, a pause ... releases at the next intake): a full
         # check of what the steps left, which a per-step run has checked (else a leak a flush wipes, or a
         # use-after-free whose request an abort releases, is never met)
+        if not self.unchecked:
+            return []
         spec = OPS.get(getattr(op, "kind", ""))
-        if not self.unchecked or spec is None or not spec.ends:
+        if spec is None or not spec.ends:
             return []
         self.unchecked = self.check_every  # due now
         return self._sift(self._check())
@@ -475,6 +476,8 @@ class AuditedRun:
     def _answer(self, found: list[Finding], sift: Callable[[list[Finding]], list[Finding]]) -> list[Finding]:
         # what an op or the end check reports (and keeps): sifted (by apply's sift) and merged, or the localizing
         # replay's findings
+        if not found and self._replayed is None:
+            return found  # (most ops: nothing to sift, merge or keep)
         if self._replayed is None:
             found = _merge_same_signature(sift(found))
         if self._replayed is not None:

@@ -116,7 +116,7 @@ class EutTarget(EutObserver):
         self.held: list[dict | None] = []  # paused: add_request arguments (None: a health check), in order
         self._holding = False  # the tokenizer's is_pause
         self._scheduler_paused = False  # a pause_generation(in_place | retract) was sent, no continue yet
-        self._finished: set[str] = set()
+        self._live: dict[str, None] = {}  # the submitted rids no output answered yet, in submission order
         self._seen_outputs = 0
         self.abort_named: list[list[str]] = []  # per abort message sent, the live rids it names (in order)
         self._session_turns = self._failed_transfers = 0  # reach()'s counts
@@ -153,11 +153,11 @@ class EutTarget(EutObserver):
         return self._pools
 
     def live_rids(self) -> list[str]:
-        outs = self.engine.finished_outputs
+        outs, live = self.engine.finished_outputs, self._live
         for o in outs[self._seen_outputs:]:
-            self._finished.add(o.rid)
+            live.pop(o.rid, None)
         self._seen_outputs = len(outs)
-        return [r for r in self.submitted if r not in self._finished]
+        return list(live)
 
     @property
     def paused(self) -> bool:
@@ -246,6 +246,7 @@ class EutTarget(EutObserver):
     def _submit(self, args: dict) -> None:
         rid = self.engine.add_request(**args)
         self.submitted.append(rid)
+        self._live[rid] = None
         self.prompts[rid] = args["input_ids"]
         self._session_turns += args["session_id"] is not None
 
