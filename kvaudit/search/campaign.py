@@ -709,22 +709,19 @@ def pull_files(hub, corpus: str, target: str | None = None) -> list[tuple[str, s
 def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
                  suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
                  on_finding: Callable[[str, str], None] | None = None, use_seeds: bool = True,
-                 db: str | None = None, campaign: str = "default", ttl: float | None = None) -> CampaignResult:
+                 db: str | None = None, campaign: str = "default") -> CampaignResult:
     """Search for ``max_time`` seconds per worker, counted from when it has built its first engine
     (``stats.started``: when the first was ready). ``on_finding(signature, path)``: once per new signature,
     as it lands. Ctrl-C stops the workers and returns what was found (``interrupted`` set). ``db``: a Redis
-    URL that makes the workers part of campaign ``campaign`` across hosts (``ttl``: seconds a claim or heartbeat
-    lives unrenewed, default $KVAUDIT_FLEET_TTL or 30); ``fleet``: the findings pulled from it during this run.
+    URL that makes the workers part of campaign ``campaign`` across hosts (a claim or heartbeat lives
+    $KVAUDIT_FLEET_TTL seconds unrenewed, default 30); ``fleet``: the findings pulled from it during this run.
     Raises OSError if ``corpus`` cannot be written."""
-    if ttl is None:  # (read only for a fleet: a local campaign holds no claims, a bad value is no error there)
-        from kvaudit.search.hub import DEFAULT_TTL, fleet_ttl
-
-        ttl = fleet_ttl() if db is not None else DEFAULT_TTL
     os.makedirs(findings_dir(corpus), exist_ok=True)
-    fleet, target = None, replay.target_name(config)
+    fleet, target, ttl = None, replay.target_name(config), _Spec.ttl
     if db is not None:  # the fleet's findings are known before the first program runs (those its kind lacks)
         from kvaudit.search import hub as hubs
 
+        ttl = hubs.fleet_ttl()  # (read only for a fleet: a local campaign holds no claims, a bad value is no error)
         fleet = hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl)
         fleet.pull_findings(findings_dir(corpus), have=set(known_signatures(corpus, target=target)))
     result = CampaignResult(known=known_signatures(corpus, target=target), workers=workers)
