@@ -230,11 +230,11 @@ class _Worker:
             os._exit(0)  # the parent is gone (kill -9): nobody reads our results
         if self.hub is not None:
             self.hub.beat(executions=s.executions, ops=s.ops,
-                          coverage=getattr(s, "coverage", None) or f"{len(s.sites)} sites", **self.counts)
+                          coverage=s.coverage or f"{len(s.sites)} sites", **self.counts)
         if force or time.monotonic() - self._last_progress >= PROGRESS_EVERY:
             self._last_progress = time.monotonic()
             self.emit(("progress", self.spec.index, s.executions, s.ops, sorted(s.sites), sorted(s.suppressed),
-                       getattr(s, "coverage", None), dict(getattr(s, "reached", {})),
+                       s.coverage, dict(s.reached),
                        self.sset.usage() if self.sset is not None else None))
 
     def sync(self) -> None:
