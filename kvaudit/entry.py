@@ -78,11 +78,7 @@ def _disk_full(e: SystemExit) -> SystemExit:
     # the run still ends 74, as a report the disk refused does (bad input and errors keep theirs)
     if e.code not in (None, 0, 1, 3, 4, 5):
         return e
-    for stream in (sys.stdout, sys.stderr):  # first: what is still buffered meets the full disk here, not after
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
+    _flush()  # first: what is still buffered meets the full disk here, not after
     if ReaderGone.full is None:
         return e
     try:
