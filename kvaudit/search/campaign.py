@@ -48,8 +48,13 @@ def known_signatures(corpus: str, unreadable: list[str] | None = None, target: s
     if unreadable is not None:
         unreadable.extend(rest)
     out: dict[str, str] = {}
-    for sig, path in _recorded(files, unreadable, target, others):
-        out.setdefault(sig, path)
+    for path, kind, signatures in _loaded(files, unreadable):
+        if target is not None and kind != target:
+            if others is not None:
+                others.append((path, kind))
+            continue
+        for sig in signatures:
+            out.setdefault(sig, path)
     return out
 
 
@@ -89,21 +94,6 @@ def skipped_lines(corpus: str, target: str) -> tuple[dict[str, str], list[str]]:
                      f"this campaign's ({target}): their signatures are not known here, skipped: "
                      + ", ".join(f"{os.path.basename(p)} ({kind})" for p, kind in others))
     return known, lines
-
-
-def _recorded(paths: list[str], unreadable: list[str] | None = None, target: str | None = None,
-              others: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
-    """``(signature, file)`` for each finding the replay files record, in order; a file that does not load is
-    skipped (its path appended to ``unreadable``), and so is one recorded on a kind other than ``target``
-    (``(path, its kind)`` appended to ``others``)."""
-    out = []
-    for path, kind, signatures in _loaded(paths, unreadable):
-        if target is not None and kind != target:
-            if others is not None:
-                others.append((path, kind))
-            continue
-        out.extend((sig, path) for sig in signatures)
-    return out
 
 
 def _loaded(paths: list[str], unreadable: list[str] | None = None) -> Iterator[tuple[str, str, list[str]]]:
@@ -703,7 +693,7 @@ def pull_files(hub, corpus: str, target: str | None = None) -> list[tuple[str, s
         hub.pull_findings(findings_dir(corpus), have=set(known_signatures(corpus, target=target)), written=pulled)
     except OSError:
         pass
-    return _recorded(pulled)
+    return [(sig, path) for path, _, signatures in _loaded(pulled) for sig in signatures]
 
 
 def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
