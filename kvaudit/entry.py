@@ -33,8 +33,7 @@ def main() -> None:
 
     def on_sigint(signum, frame):
         hit.append(signum)
-        end_echoed_line(signum)
-        raise KeyboardInterrupt
+        _as_ctrl_c(signum, frame)
 
     args = sys.argv[1:]
     runs_engine = bool(args) and args[0] in HEAVY and not asks_help(args)  # (`fuzz --out --help` runs)
