@@ -33,8 +33,7 @@ def main() -> None:
 
     def on_sigint(signum, frame):
         hit.append(signum)
-        end_echoed_line(signum)
-        raise KeyboardInterrupt
+        _as_ctrl_c(signum, frame)
 
     args = sys.argv[1:]
     runs_engine = bool(args) and args[0] in HEAVY and not asks_help(args)  # (`fuzz --out --help` runs)
@@ -78,11 +77,7 @@ def _disk_full(e: SystemExit) -> SystemExit:
     # the run still ends 74, as a report the disk refused does (bad input and errors keep theirs)
     if e.code not in (None, 0, 1, 3, 4, 5):
         return e
-    for stream in (sys.stdout, sys.stderr):  # first: what is still buffered meets the full disk here, not after
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
+    _flush()  # first: what is still buffered meets the full disk here, not after
     if ReaderGone.full is None:
         return e
     try:

@@ -278,7 +278,7 @@ def shipped_analysis(config, findings, path: str) -> str:
     text (the replay file ``path``'s export); "" when none is (a new finding, or a kind with no notes)."""
     kind = replay.target_name(config)
     for f in findings:
-        note = note_for(kind, [f.signature], getattr(config, "preset", ""))
+        note = note_for(kind, [f.signature], config.preset)
         if note is not None:
             where = f"corpora/{kind}/README.md" + (f", finding {note.readme}" if note.readme else "")
             return (f"known: kvaudit ships an analysis of {f.signature} ({where}): {note.title}; "

@@ -117,12 +117,12 @@ class Progress:
         rate = s.executions / s.elapsed if s.elapsed > 0 else 0.0
         return [("executions", f"{s.executions}"), ("exec/s", f"{rate:.1f}"), ("ops", f"{s.ops}"),
                 ("findings", f"{s.findings}"), ("suppressed", f"{len(s.suppressed)}"),
-                ("coverage", getattr(s, "coverage", None) or f"{len(s.sites)} alloc/free sites"),
+                ("coverage", s.coverage or f"{len(s.sites)} alloc/free sites"),
                 ("elapsed", duration(s.elapsed)), ("remaining", duration(max(0.0, max_time - s.elapsed)))]
 
     def line(self, s: FuzzStats) -> str:
         f = dict(self._fields(s, self.max_time))
-        cov, note = coverage_field(getattr(s, "coverage", None) or "")
+        cov, note = coverage_field(s.coverage or "")
         return (f"[{s.elapsed:6.1f}s] {s.phase}: executions={f['executions']} exec/s={f['exec/s']} ops={f['ops']} "
                 f"findings={f['findings']} suppressed={f['suppressed']} sites={len(s.sites)} "
                 + (f"coverage={cov} " if cov else "") + f"remaining={f['remaining']}{note}")

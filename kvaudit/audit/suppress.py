@@ -68,8 +68,7 @@ class Suppression:
 
 def _site_texts(finding: Finding) -> Iterator[str]:
     # NOTE: the lost release's stack too: a leak's signature names that path, so a rule for one leak names it
-    sites = (*finding.alloc_sites, *finding.free_sites, *finding.prev_free_sites, *getattr(finding, "read_sites", ()),
-             *getattr(finding, "lost_sites", ()))
+    sites = (*finding.alloc_sites, *finding.free_sites, *finding.prev_free_sites, *finding.read_sites, *finding.lost_sites)
     if not sites:  # (an accounting drift, a hang: no frame; tried as the empty text, so site="*" covers it)
         yield ""
     for site in sites:

@@ -48,8 +48,13 @@ def known_signatures(corpus: str, unreadable: list[str] | None = None, target: s
     if unreadable is not None:
         unreadable.extend(rest)
     out: dict[str, str] = {}
-    for sig, path in _recorded(files, unreadable, target, others):
-        out.setdefault(sig, path)
+    for path, kind, signatures in _loaded(files, unreadable):
+        if target is not None and kind != target:
+            if others is not None:
+                others.append((path, kind))
+            continue
+        for sig in signatures:
+            out.setdefault(sig, path)
     return out
 
 
@@ -89,21 +94,6 @@ def skipped_lines(corpus: str, target: str) -> tuple[dict[str, str], list[str]]:
                      f"this campaign's ({target}): their signatures are not known here, skipped: "
                      + ", ".join(f"{os.path.basename(p)} ({kind})" for p, kind in others))
     return known, lines
-
-
-def _recorded(paths: list[str], unreadable: list[str] | None = None, target: str | None = None,
-              others: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
-    """``(signature, file)`` for each finding the replay files record, in order; a file that does not load is
-    skipped (its path appended to ``unreadable``), and so is one recorded on a kind other than ``target``
-    (``(path, its kind)`` appended to ``others``)."""
-    out = []
-    for path, kind, signatures in _loaded(paths, unreadable):
-        if target is not None and kind != target:
-            if others is not None:
-                others.append((path, kind))
-            continue
-        out.extend((sig, path) for sig in signatures)
-    return out
 
 
 def _loaded(paths: list[str], unreadable: list[str] | None = None) -> Iterator[tuple[str, str, list[str]]]:
@@ -230,11 +220,11 @@ class _Worker:
             os._exit(0)  # the parent is gone (kill -9): nobody reads our results
         if self.hub is not None:
             self.hub.beat(executions=s.executions, ops=s.ops,
-                          coverage=getattr(s, "coverage", None) or f"{len(s.sites)} sites", **self.counts)
+                          coverage=s.coverage or f"{len(s.sites)} sites", **self.counts)
         if force or time.monotonic() - self._last_progress >= PROGRESS_EVERY:
             self._last_progress = time.monotonic()
             self.emit(("progress", self.spec.index, s.executions, s.ops, sorted(s.sites), sorted(s.suppressed),
-                       getattr(s, "coverage", None), dict(getattr(s, "reached", {})),
+                       s.coverage, dict(s.reached),
                        self.sset.usage() if self.sset is not None else None))
 
     def sync(self) -> None:
@@ -708,28 +698,25 @@ def pull_files(hub, corpus: str, target: str | None = None) -> list[tuple[str, s
         hub.pull_findings(findings_dir(corpus), have=set(known_signatures(corpus, target=target)), written=pulled)
     except OSError:
         pass
-    return _recorded(pulled)
+    return [(sig, path) for path, _, signatures in _loaded(pulled) for sig in signatures]
 
 
 def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
                  suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
                  on_finding: Callable[[str, str], None] | None = None, use_seeds: bool = True,
-                 db: str | None = None, campaign: str = "default", ttl: float | None = None) -> CampaignResult:
+                 db: str | None = None, campaign: str = "default") -> CampaignResult:
     """Search for ``max_time`` seconds per worker, counted from when it has built its first engine
     (``stats.started``: when the first was ready). ``on_finding(signature, path)``: once per new signature,
     as it lands. Ctrl-C stops the workers and returns what was found (``interrupted`` set). ``db``: a Redis
-    URL that makes the workers part of campaign ``campaign`` across hosts (``ttl``: seconds a claim or heartbeat
-    lives unrenewed, default $KVAUDIT_FLEET_TTL or 30); ``fleet``: the findings pulled from it during this run.
+    URL that makes the workers part of campaign ``campaign`` across hosts (a claim or heartbeat lives
+    $KVAUDIT_FLEET_TTL seconds unrenewed, default 30); ``fleet``: the findings pulled from it during this run.
     Raises OSError if ``corpus`` cannot be written."""
-    if ttl is None:  # (read only for a fleet: a local campaign holds no claims, a bad value is no error there)
-        from kvaudit.search.hub import DEFAULT_TTL, fleet_ttl
-
-        ttl = fleet_ttl() if db is not None else DEFAULT_TTL
     os.makedirs(findings_dir(corpus), exist_ok=True)
-    fleet, target = None, replay.target_name(config)
+    fleet, target, ttl = None, replay.target_name(config), _Spec.ttl
     if db is not None:  # the fleet's findings are known before the first program runs (those its kind lacks)
         from kvaudit.search import hub as hubs
 
+        ttl = hubs.fleet_ttl()  # (read only for a fleet: a local campaign holds no claims, a bad value is no error)
         fleet = hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl)
         fleet.pull_findings(findings_dir(corpus), have=set(known_signatures(corpus, target=target)))
     result = CampaignResult(known=known_signatures(corpus, target=target), workers=workers)
