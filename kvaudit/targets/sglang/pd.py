@@ -85,6 +85,23 @@ class _DecodeScheduler:
         self._target.finished.add(req.rid)
 
 
+def _server_args(S, P, config: SglangConfig):
+    """The decode server's ``ServerArgs``, resolved by ``handle_pd_disaggregation`` (which turns the decode radix
+    cache off, or on with ``decode_radix_cache``: SGLang refuses it with the fake backend, so the args then name a
+    real one; the queues keep kvaudit's wire). The KV checksum is on for both releases: kvaudit's transfer
+    stand-in plays 0.5.22's and 0.5.23's digests (``pd_transfer.Network.land``; compat change
+    kv-checksum-signature)."""
+    radix = config.decode_radix_cache
+    sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="decode",
+                      disaggregation_transfer_backend="nixl" if radix else "fake",
+                      disaggregation_decode_enable_radix_cache=radix,
+                      disaggregation_decode_retraction_backup="cpu_tensor", disaggregation_enable_kv_checksum=True,
+                      max_running_requests=config.max_running_requests,
+                      num_reserved_decode_tokens=config.num_reserved_decode_tokens)
+    P.handle_pd_disaggregation(sa)
+    return sa
+
+
 def _scheduler_class(P):
     return type("DecodeScheduler", (_DecodeScheduler, P.decode.SchedulerDisaggregationDecodeMixin), {})
 
@@ -120,17 +137,7 @@ class PdDecode(PdServer):
         S, P = load(), load_pd()
         # the queues all-reduce their polls over the attention-TP CPU group (poll_and_all_reduce)
         group = SimpleNamespace(cpu_group=one_rank_group(), world_size=1)
-        # the KV checksum is on for both releases: kvaudit's transfer stand-in plays 0.5.22's and 0.5.23's
-        # digests (pd_transfer.Network.land; compat change kv-checksum-signature)
-        radix = config.decode_radix_cache  # SGLang refuses it with the fake backend: a real one's name, kvaudit's wire
-        sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="decode",
-                          disaggregation_transfer_backend="nixl" if radix else "fake",
-                          disaggregation_decode_enable_radix_cache=radix,
-                          disaggregation_decode_retraction_backup="cpu_tensor",
-                          disaggregation_enable_kv_checksum=True,
-                          max_running_requests=config.max_running_requests,
-                          num_reserved_decode_tokens=config.num_reserved_decode_tokens)
-        P.handle_pd_disaggregation(sa)  # the server-args step that turns the decode radix cache off (or on)
+        sa = _server_args(S, P, config)
         publish_scheduler(P, sa)
         S.get_parallel().override_permanently(attn_tp_group=group)
         disagg = P.get_disagg()
