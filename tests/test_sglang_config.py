@@ -17,7 +17,8 @@ from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, SglangConfig
 
 def test_presets_cover_the_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
-                                   "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache",
+                                   "sglang-chunked", "sglang-pd-decode", "sglang-pd-decode-radix",
+                                   "sglang-hisparse", "sglang-hicache",
                                    "sglang-hicache-l3", "sglang-priority", "sglang-mixed",
                                    "sglang-session-nonstreaming",
                                    # config-only paths (eviction policies, the timeout prefetch policy, a failing L3)

@@ -439,3 +439,48 @@ def test_a_clean_pd_decode_fuzz_run_counts_the_transfers_that_landed(tmp_path):
     assert r.exit_code == 0, r.output
     counts = reached(r.stdout)
     assert counts["pd_transfers_landed"] > 0 and counts["kv_checksums_verified"] > 0, counts
+
+
+# -- the decode radix cache (preset sglang-pd-decode-radix) ----------------------------------------------------
+def radix_cfg(core="rust", **kw):
+    return SGLANG_PRESETS["sglang-pd-decode-radix"].config(tree_core=core, **kw)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_decode_radix_cache_matches_a_prompt_against_decodes_tree_and_prefill_sends_the_rest(core):
+    """--disaggregation-decode-enable-radix-cache, which SGLang refuses with the fake transfer backend and
+    whose inserts a fake bootstrap host skips: the preset's requests carry a real host, and kvaudit's wire
+    sends prefill's first token and room as a real prefill does. A second request of the first's family is
+    matched against decode's own tree (``decode_prefix_len`` > 0: ``pd_decode_prefix_hits``) and commits
+    SGLang's handoff token; the tree holds what both cached, and a flush gives every pool back."""
+    run = AuditedRun(radix_cfg(core))
+    t = run.target
+    assert not t.tree_cache.disable and dec(t).P.get_disagg().disaggregation_decode_enable_radix_cache
+    assert dec(t).network.prefix_hits == 0
+    for op in [Submit(0, 40, 4, stop_at=3), Step(10), Submit(0, 60, 4, stop_at=3), Step(1)]:
+        assert run.apply(op) == []
+    req = next(dr.req for dr in dec(t).prealloc_queue.queue + dec(t).transfer_queue.queue)
+    assert req.bootstrap_host != dec(t).P.FAKE_BOOTSTRAP_HOST and not req.skip_radix_cache_insert
+    handoff = dec(t).P.decode._generate_fake_prefill_handoff_output_id(req)
+    assert run.apply(Step(4)) == [] and req.output_ids[0] == handoff
+    assert run.apply(Idle()) == [] and t.tree_cache.evictable_size() > 0
+    assert t.reach()["pd_decode_prefix_hits"] == 1 and t.reach()["kv_checksums_verified"] == 2
+    assert run.apply(FlushCache()) == [] and run.apply(Idle()) == [] and full(t)
+    run.close()
+
+
+@pytest.mark.parametrize("program", [
+    [HealthCheck(), Idle()],  # a health check stays a fake transfer (its receiver got no metadata: a hang)
+    [Submit(0, 1, 3), Step(2), PauseGeneration(2), Idle()],  # the re-bootstrap asks prefill to recompute
+], ids=["health-check", "retract-rebootstrap"])
+def test_decode_radix_cache_health_checks_and_rebootstraps_run_clean(program):
+    """Both found by the first fuzz of the preset, driver faults: a hang (every health check is a fake-transfer
+    request on a real server: http_server's health_generate sets FAKE_BOOTSTRAP_HOST) and a crash (a real-host
+    request's re-bootstrap calls the manager's submit_prefill_recompute)."""
+    ex = execute(radix_cfg(), program, full_stacks=False)
+    assert ex.findings == [] and ex.ops_run == len(program)
+
+
+def test_decode_radix_cache_needs_pd_decode_without_hisparse():
+    with pytest.raises(ValueError, match="decode_radix_cache needs disaggregation_mode decode"):
+        SGLANG_PRESETS["sglang"].config(decode_radix_cache=True)

@@ -72,6 +72,38 @@ def test_a_preset_with_no_connector_counts_no_offload_and_no_fence(preset):
     assert reach["mamba_cow_hits"] >= 1 or preset != "vllm-mamba", reach
 
 
+SPEC_ASYNC = [Submit(0, 41, 8, stop_at=6), Step(8), Submit(0, 60, 8, stop_at=6), Submit(1, 200, 8, stop_at=7),
+              Submit(2, 30, 20, stop_at=19), Step(12), Idle()]  # a hit inside a block; a prompt of two chunks
+SPEC_SMALL = [Submit(f, 20, 16, ignore_eos=1) for f in range(3)] + [Step(40), Idle()]  # 3 x 36 tokens in 19 blocks
+
+
+@pytest.mark.parametrize("preset, program, reached", [
+    ("vllm-mamba-spec-async", SPEC_ASYNC, ["kv_loads_done", "cow_frees_deferred", "mamba_cow_hits"]),
+    ("vllm-mamba-spec-small", SPEC_SMALL, ["preemptions_in_flight"])])
+def test_the_mamba_spec_presets_boot_and_reach_their_paths(preset, program, reached):
+    """th67's two combinations as presets: vllm-mamba-async with 4 drafts (a KV consumer's loads and the
+    copy-on-write fence beside speculative state blocks) and vllm-mamba-small with 4 drafts at max_model_len 40
+    (Mamba preemption with drafts and a step in flight, which no other preset reaches). Each boots with 4
+    speculative state blocks a request, accepts and rejects drafts, relocates speculative blocks (a step past
+    a block: ``mamba_spec_relocations``) and reaches its own path, with no finding."""
+    with AuditedRun(cfg(preset), full_stacks=False) as run:
+        t = run.target
+        mgr = next(m for m in t.groups if type(m).__name__ == "MambaManager")
+        assert mgr.num_speculative_blocks == 4 and t.scheduler.defer_block_free == (preset == "vllm-mamba-spec-async")
+        for op in program:
+            assert run.apply(op) == []
+    reach = t.reach()
+    assert reach["accepted_draft_tokens"] > 0 and reach["rejected_draft_tokens"] > 0, reach
+    assert reach["mamba_spec_relocations"] > 0 and all(reach[k] > 0 for k in reached), reach
+
+
+def test_relocations_are_counted_with_drafts_only_and_mamba_small_with_drafts_needs_a_short_context():
+    with AuditedRun(cfg("vllm-mamba"), full_stacks=False) as run:
+        assert "mamba_spec_relocations" not in run.target.reach()
+    with pytest.raises(ValueError, match="may need 21 blocks, more than the pool's 19"):
+        cfg("vllm-mamba-spec-small", max_model_len=60)
+
+
 def test_planted_early_cow_free_is_found_minimized_and_clean_without_the_fault(tmp_path):
     doc, path = fuzz_fault(tmp_path, "vllm", "vllm-mamba-async", "free-cow-source-before-copy", max_time="10")
     assert doc["findings"][0]["signature"].endswith("check:cow-inflight")
@@ -87,4 +119,5 @@ def test_the_mamba_presets_are_listed_and_built_on_0_33_0_only(monkeypatch):
         boot.check_config(config)
     monkeypatch.setattr(boot, "installed_version", lambda: "0.33.0")
     assert [n for n in kind._presets() if "mamba" in n] == ["vllm-mamba", "vllm-mamba-async", "vllm-mamba-small",
-                                                            "vllm-mamba-spec", "vllm-mamba-cpu-offload"]
+                                                            "vllm-mamba-spec", "vllm-mamba-spec-async",
+                                                            "vllm-mamba-spec-small", "vllm-mamba-cpu-offload"]

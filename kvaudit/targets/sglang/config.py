@@ -114,6 +114,10 @@ class SglangConfig(ConfigBase):
     deferred_release_timeout_steps: int = 6  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 1 s a step
     num_reserved_decode_tokens: int = 8  # SGLang's --num-reserved-decode-tokens (512 by default, for real pools)
     kv_checksum_mismatch_every: int | None = None  # every Nth landed transfer arrives corrupted; None: none
+    # --disaggregation-decode-enable-radix-cache: decode matches a request's prompt against its own radix cache
+    # before pre-allocation (prefill sends the rest) and caches what it decoded; its requests carry a real
+    # bootstrap host (a fake one skips the insert), with kvaudit's transfer stand-in behind a non-fake backend name
+    decode_radix_cache: bool = False
     # PD prefill only (kvaudit/targets/sglang/pd_prefill.py): the decode peer kvaudit plays, in scheduler steps
     bootstrap_steps: int = 1  # steps from a request's arrival to decode's bootstrap (its destinations known)
     bootstrap_lost_every: int | None = None  # every Nth request's decode never bootstraps; None: none
@@ -228,6 +232,9 @@ class SglangConfig(ConfigBase):
         if self.kv_checksum_mismatch_every is not None and self.disaggregation_mode != "decode":
             raise ValueError("kv_checksum_mismatch_every corrupts PD transfers: it needs disaggregation_mode decode "
                              "(preset sglang-pd-decode)")
+        if self.decode_radix_cache and (self.disaggregation_mode != "decode" or self.enable_hisparse):
+            raise ValueError("decode_radix_cache needs disaggregation_mode decode and no enable_hisparse (SGLang's "
+                             "handle_pd_disaggregation refuses --disaggregation-decode-enable-radix-cache with HiSparse)")
         if self.disaggregation_mode == "decode":
             # (enable_hisparse: the direct-to-host path, driven on the legacy era only: kind._probe)
             clash = [n for n in ("enable_streaming_session", "enable_overlap",
@@ -529,6 +536,11 @@ _preset("sglang-overlap", "overlap scheduling (event_loop_overlap): each batch's
 _preset("sglang-pd-decode", "PD disaggregation, decode side: DecodePreallocQueue, DecodeTransferQueue "
                             "(deferred releases), prebuilt batches, DecodeReqToTokenPool; tree off; page 4",
         {"disaggregation_mode": "decode", "need_sort": True, "page_size": 4, "num_slots": 256})
+_preset("sglang-pd-decode-radix", "sglang-pd-decode with the decode radix cache on "
+                                  "(--disaggregation-decode-enable-radix-cache: a request's prompt is matched "
+                                  "against decode's own tree before pre-allocation, prefill sends the rest, "
+                                  "finished requests are cached; requests carry a real bootstrap host); page 4",
+        {"decode_radix_cache": True}, "sglang-pd-decode")
 _preset("sglang-pd-prefill", "PD disaggregation, prefill side: PrefillBootstrapQueue, the inflight queue "
                              "(process_disagg_prefill_inflight_queue) and a decode peer whose bootstrap "
                              "takes 1 step, every 7th never comes (16-step bootstrap timeout), transfers "

@@ -84,6 +84,7 @@ def flag_line(config) -> tuple[list[str], list[str], list[str]]:
         flags.append("--enable-mixed-chunk")
     if c.disaggregation_mode == "decode":
         flags += ["--disaggregation-mode decode", f"--num-reserved-decode-tokens {c.num_reserved_decode_tokens}"]
+        flags += ["--disaggregation-decode-enable-radix-cache"] if c.decode_radix_cache else []
     if c.disaggregation_mode == "prefill":
         flags.append("--disaggregation-mode prefill")
     if c.enable_hisparse:

@@ -21,6 +21,7 @@ from kvaudit.targets.sglang.pd_transfer import (KvChecksums, Network, PdServer, 
 from kvaudit.targets.sglang.standins import EOS
 
 _PD = None
+PREFILL_HOST = "127.0.0.1"  # the bootstrap host of a decode-radix-cache preset's requests (kvaudit plays prefill)
 
 
 def load_pd() -> SimpleNamespace:
@@ -84,6 +85,23 @@ class _DecodeScheduler:
         self._target.finished.add(req.rid)
 
 
+def _server_args(S, P, config: SglangConfig):
+    """The decode server's ``ServerArgs``, resolved by ``handle_pd_disaggregation`` (which turns the decode radix
+    cache off, or on with ``decode_radix_cache``: SGLang refuses it with the fake backend, so the args then name a
+    real one; the queues keep kvaudit's wire). The KV checksum is on for both releases: kvaudit's transfer
+    stand-in plays 0.5.22's and 0.5.23's digests (``pd_transfer.Network.land``; compat change
+    kv-checksum-signature)."""
+    radix = config.decode_radix_cache
+    sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="decode",
+                      disaggregation_transfer_backend="nixl" if radix else "fake",
+                      disaggregation_decode_enable_radix_cache=radix,
+                      disaggregation_decode_retraction_backup="cpu_tensor", disaggregation_enable_kv_checksum=True,
+                      max_running_requests=config.max_running_requests,
+                      num_reserved_decode_tokens=config.num_reserved_decode_tokens)
+    P.handle_pd_disaggregation(sa)
+    return sa
+
+
 def _scheduler_class(P):
     return type("DecodeScheduler", (_DecodeScheduler, P.decode.SchedulerDisaggregationDecodeMixin), {})
 
@@ -119,14 +137,7 @@ class PdDecode(PdServer):
         S, P = load(), load_pd()
         # the queues all-reduce their polls over the attention-TP CPU group (poll_and_all_reduce)
         group = SimpleNamespace(cpu_group=one_rank_group(), world_size=1)
-        # the KV checksum is on for both releases: kvaudit's transfer stand-in plays 0.5.22's and 0.5.23's
-        # digests (pd_transfer.Network.land; compat change kv-checksum-signature)
-        sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="decode",
-                          disaggregation_transfer_backend="fake", disaggregation_decode_retraction_backup="cpu_tensor",
-                          disaggregation_enable_kv_checksum=True,
-                          max_running_requests=config.max_running_requests,
-                          num_reserved_decode_tokens=config.num_reserved_decode_tokens)
-        P.handle_pd_disaggregation(sa)  # the server-args step that turns the decode radix cache off
+        sa = _server_args(S, P, config)
         publish_scheduler(P, sa)
         S.get_parallel().override_permanently(attn_tp_group=group)
         disagg = P.get_disagg()
@@ -185,6 +196,8 @@ class PdDecode(PdServer):
         finally:
             P.decode.KvChecksumComputer = real_computer
         pq.kv_manager = manager_cls(pq.kv_manager.kv_args, P.DisaggregationMode.DECODE, sa, False)
+        # one prefill rank, known from the start: a real-host request's receiver is initialised at once
+        pq.kv_manager.prefill_info_table = {f"{PREFILL_HOST}:8998": SimpleNamespace(dp_size=1)}
         self.network.checksums, self.network.metadata_buffers = sched.kv_checksum_computer, buffers
         sched.kv_checksum_computer.kv = alloc.get_kvcache()
         self.watch = ChecksumWatch(sched, self.network, r2t.req_to_token, config.page_size)
@@ -236,8 +249,11 @@ class PdDecode(PdServer):
         """A decode-side ``Req``, its prefill reached through the fake transfer backend."""
         P = self.P
         self._rooms = getattr(self, "_rooms", 0) + 1
+        # a health check is a fake-transfer request on every server (http_server's health_generate sets the host)
+        real = self.target.config.decode_radix_cache and not rid.startswith("HEALTH_CHECK_")
+        host = PREFILL_HOST if real else P.FAKE_BOOTSTRAP_HOST
         return self.target.S.Req(rid, "", ids, sp, vocab_size=self.target.config.vocab_size, eos_token_ids={EOS},
-                          bootstrap_host=P.FAKE_BOOTSTRAP_HOST, bootstrap_port=8998, bootstrap_room=1000 + self._rooms,
+                          bootstrap_host=host, bootstrap_port=8998, bootstrap_room=1000 + self._rooms,
                           disagg_mode=P.DisaggregationMode.DECODE)
 
     def add_request_to_queue(self, req, is_retracted: bool) -> None:
@@ -252,6 +268,8 @@ class PdDecode(PdServer):
             if dr.req is req and not isinstance(dr.kv_receiver, self._receiver_cls):
                 rx = self._receiver_cls(self.prealloc_queue.kv_manager, "kvaudit-prefill", req.bootstrap_room)
                 rx.bootstrap_done = dr.kv_receiver.bootstrap_done
+                if not self.P.decode._is_fake_transfer(req):  # prefill samples it: SGLang's deterministic token
+                    rx.handoff = self.P.decode._generate_fake_prefill_handoff_output_id(req)
                 # prefill digests its prompt's KV; a re-bootstrap's prompt is the request's prompt and outputs
                 # (the prefill request's origin_input_ids; decode verifies its own origin_input_ids only)
                 rx.prompt_len = len(req.origin_input_ids) + (
@@ -389,6 +407,8 @@ class PdDecode(PdServer):
         a receiver concluded ``KVPoll.Failed``, or a landed transfer's expected checksum made wrong)."""
         out["pd_decode_retractions"], out["pd_transfers_landed"] = self.target.retractions, self.network.landed
         out["pd_transfers_failed"] = self.transfers_failed
+        if self.target.config.decode_radix_cache:  # transfers of a prompt's tail past decode's own cached prefix
+            out["pd_decode_prefix_hits"] = self.network.prefix_hits
         return self.watch.reach(out)
 
     def is_idle(self, idle: bool, ignore_waiting: bool) -> bool:

@@ -88,7 +88,7 @@ class Network:
         self.sending: list[tuple[int, object]] = []  # (step due, receiver)
         self.acks: list[tuple[int, object]] = []
         self.step = 0
-        self.landed = self.corrupted = 0
+        self.landed = self.corrupted = self.prefix_hits = 0
         self.checksums = self.metadata_buffers = None  # set once the prealloc queue is built (PdDecode.build)
         self.signature = 0
         self.sent: dict[int, tuple[int, int]] = {}
@@ -110,6 +110,7 @@ class Network:
         being off under PD, so its prefix is 0.) A re-bootstrap's replayed output is sent and digested with
         the prompt (the prefill request's ``origin_input_ids``)."""
         self.landed += 1
+        self.prefix_hits += rx.decode_prefix_len > 0
         ps, kv = self.page_size, self.checksums.kv
         pages = torch.as_tensor(rx.page_indices, dtype=torch.int64)
         slots = page_slots(pages, ps)
@@ -123,6 +124,9 @@ class Network:
             self.corrupted += 1
         self.sent[rx.bootstrap_room] = (self.sent.get(rx.bootstrap_room, (0, 0))[0] + 1, digest)
         self.metadata_buffers.kv_checksum[rx.aux_index, :2] = torch.tensor([digest, self.signature])
+        if rx.handoff is not None:  # a real-host request: prefill's first token and room (a fake one's are decode's)
+            self.metadata_buffers.output_ids[rx.aux_index, 0] = rx.handoff
+            self.metadata_buffers.bootstrap_room[rx.aux_index, 0] = rx.bootstrap_room
         rx.has_sent_metadata = True
 
     def decoded(self, batch) -> None:
@@ -150,6 +154,10 @@ def fake_backend(P, network: Network):
             self._deferred_abort_ack_tracker = {}
             self._deferred_abort_generation = 0
 
+        def submit_prefill_recompute(self, kv_receiver, payload) -> None:
+            """A retracted real-host request's re-bootstrap: prefill recomputes prompt and outputs and sends them
+            over the channel ``send_metadata`` opened (kvaudit's wire sends them there: ``Receiver.prompt_len``)."""
+
     class Receiver(P.FakeKVReceiver):
         ensure_abort_notified = P.CommonKVReceiver.ensure_abort_notified
 
@@ -159,6 +167,7 @@ def fake_backend(P, network: Network):
             self.bootstrap_infos = [{"rank": 0}]  # one prefill rank holds the destinations
             self.init_time = None
             self._abort_generation = None
+            self.handoff = None  # prefill's first output token, sent with the metadata (real-host requests)
 
         def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=0, **k) -> None:
             """The destinations are published: the transfer starts (with no latency it lands at once)."""

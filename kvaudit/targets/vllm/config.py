@@ -355,6 +355,14 @@ _preset("vllm-mamba-small", "vllm-mamba on the AsyncScheduler on 20 blocks of 4 
         num_gpu_blocks=20, block_size=4, max_num_batched_tokens=32, max_model_len=60)
 _preset("vllm-mamba-spec", "vllm-mamba with speculative decoding (ngram, 4 draft tokens a step): a request holds 4 "
         "speculative state blocks besides its running one (num_speculative_blocks)", "vllm-mamba", num_spec_tokens=4)
+_preset("vllm-mamba-spec-async", "vllm-mamba-async with speculative decoding (ngram, 4 draft tokens a step): a KV "
+        "consumer's loads, copy-on-write fences and 4 speculative state blocks a request, drafts rolled back with a "
+        "step in flight (vLLM #54392's setting, short of its drafter and transfer engine)", "vllm-mamba-async",
+        num_spec_tokens=4)
+_preset("vllm-mamba-spec-small", "vllm-mamba-small with speculative decoding (ngram, 4 draft tokens a step) and "
+        "max_model_len 40 (at most 16 blocks a request, of the pool's 19; at 60, 21: refused): Mamba requests "
+        "holding speculative state blocks are preempted with drafts scheduled and a step in flight",
+        "vllm-mamba-small", num_spec_tokens=4, max_model_len=40)
 _preset("vllm-mamba-cpu-offload", "vllm-cpu-offload-swa with a Mamba group instead of the window (hashes every 2 "
         "tokens): the connector stores the boundary states the Mamba manager offers (boundary_state_offloads) to its "
         "CPU tier", "vllm-cpu-offload-swa", sliding_window=None, mamba=True, prefix_match_unit=2)

@@ -186,7 +186,9 @@ class VllmSchedulerTarget(_VllmBase):
         (a cached prompt tail moved out) of ``take_pending_cow_copies``; ``cow_frees_deferred`` (copies parked
         behind a fence), ``mamba_boundary_offloads`` (states offered to a KV connector), by wrapping instances.
         The last two only where the scheduler can reach them (``defer_block_free``: a KV consumer with a step in
-        flight; a connector: without one ``schedule()`` drops the states), so a 0 means a path not searched."""
+        flight; a connector: without one ``schedule()`` drops the states), so a 0 means a path not searched. With
+        drafts (``num_speculative_blocks``), ``mamba_spec_relocations``: the speculative state blocks a step past
+        their columns moves to the table's end (``MambaManager._relocate_speculative_block``)."""
         s, manager = self.scheduler, self.manager
         mgr = next(m for m in self.groups if isinstance(m.kv_cache_spec, self.V.MambaSpec))
         self.reached.update(mamba_cow_hits=0, mamba_tail_copies=0)
@@ -208,6 +210,9 @@ class VllmSchedulerTarget(_VllmBase):
         if deferring:
             s._free_cow_retained_blocks = retain_counted
         after_call(mgr, "take_pending_cow_copies", count_copies)
+        if mgr.num_speculative_blocks:  # a step past a block moves its speculative blocks to the table's end
+            self.reached["mamba_spec_relocations"] = 0
+            after_call(mgr, "_relocate_speculative_block", lambda *_: self.reached.update(mamba_spec_relocations=1))
         if offered:
             after_call(manager, "take_boundary_state_offloads",
                        lambda out: self.reached.update(mamba_boundary_offloads=sum(map(len, out.values()))))
