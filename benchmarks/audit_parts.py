@@ -33,14 +33,13 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import os
-import sys
 import random
 import time
 
 import numpy as np
 import torch
 
+import bytecodes
 from kvaudit.audit import hooks
 from kvaudit.program import random_program
 from kvaudit.search.bench import run_programs
@@ -80,27 +79,6 @@ def parts(config, programs: list, repeat: int) -> None:
         print(f"{mode:26} {secs:7.3f} {secs / base:6.2f}x {part:>11}")
 
 
-def _opcodes(config, programs: list, flags: tuple) -> collections.Counter:
-    # bytecodes executed per code object in one run of ``programs`` in the mode ``flags``
-    counts: collections.Counter = collections.Counter()
-
-    def local(frame, event, arg):
-        if event == "opcode":
-            counts[frame.f_code] += 1
-        return local
-
-    def trace(frame, event, arg):
-        frame.f_trace_opcodes = True
-        return local
-
-    sys.settrace(trace)
-    try:
-        run_programs(config, programs, *flags)
-    finally:
-        sys.settrace(None)
-    return counts
-
-
 def opcodes(config, programs: list, top: int) -> None:
     lean_site = hooks.Auditor._lean_site
     run_programs(config, programs[:5], True, True, False, True, CHECK_EVERY)  # warm-up (the process's caches)
@@ -109,7 +87,7 @@ def opcodes(config, programs: list, top: int) -> None:
     try:
         for mode, (flags, sites) in MODES.items():
             hooks.Auditor._lean_site = lean_site if sites else _no_site
-            got[mode] = _opcodes(config, programs, flags)
+            got[mode] = bytecodes.count(run_programs, config, programs, *flags)
     finally:
         hooks.Auditor._lean_site = lean_site
     total = {mode: sum(c.values()) for mode, c in got.items()}
@@ -119,17 +97,7 @@ def opcodes(config, programs: list, top: int) -> None:
         part = f"{(full - n) / base:+10.3f}x" if mode not in ("bare", "audit-sparse") else ""
         print(f"{mode:26} {n:12,} {n / base:6.3f}x {part:>11}")
     if top:
-        def name(code) -> str:
-            return f"{os.path.relpath(code.co_filename)}:{code.co_qualname}"
-
-        added: collections.Counter = collections.Counter()
-        for code, n in got["audit-sparse"].items():
-            added[name(code)] += n
-        for code, n in got["bare"].items():
-            added[name(code)] -= n
-        print(f"\nthe {top} functions the searches' full audit adds most bytecodes to (of {full - base:,} added):")
-        for where, n in added.most_common(top):
-            print(f"{n:12,} {where}")
+        bytecodes.print_top(got["audit-sparse"], got["bare"], top)
 
 
 def engine_lines(config, programs: list, repeat: int) -> None:
@@ -185,8 +153,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--engine-lines", action="store_true", help="time the engine's own lines beside other work")
-    ap.add_argument("--opcodes", action="store_true", help="count each mode's Python bytecodes instead of timing")
-    ap.add_argument("--top", type=int, default=30, help="with --opcodes: the functions the audit adds most to")
+    bytecodes.add_arguments(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     rng = random.Random(args.seed)

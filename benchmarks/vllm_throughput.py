@@ -2,6 +2,7 @@
 """Throughput of the real-vLLM target (``--target vllm``): programs/s per preset.
 
     python benchmarks/vllm_throughput.py [--programs N] [--length L] [--repeat K] [--preset P ...] [--profile]
+    python benchmarks/vllm_throughput.py --opcodes [--top N] [--preset P ...]
 
 For each preset the same seeded random programs (with the capabilities the preset has) run in four
 modes: "bare" (vLLM driven, no hooks), "hooks" (the ledger: every ``get_new_blocks``/``touch``/
@@ -14,6 +15,9 @@ check after every step while the target is transient: ``Target.transient``), the
 The import of vLLM and one target's build are printed apart (paid once per process and once per program).
 ``--profile``: instead, cProfile the audit mode once per preset and print where a check goes (:data:`PARTS`:
 cumulative seconds, calls and microseconds a call of each part, against the whole run's profiled seconds).
+``--opcodes``: instead, count the Python bytecodes of the bare and audit-sparse modes per preset (one run each,
+benchmarks/bytecodes.py: the same numbers whatever the machine's load) and with ``--top N`` the N functions
+the audit adds most to.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import random
 
 import torch
 
+import bytecodes
 from kvaudit.program import random_program
 from kvaudit.program.schema import max_prompt
 from kvaudit.search.bench import best_times, build_ms, run_programs
@@ -72,6 +77,7 @@ def main() -> None:
     ap.add_argument("--preset", action="append", choices=list(VLLM_PRESETS),
                     help="only this preset (repeatable; default: all)")
     ap.add_argument("--profile", action="store_true", help="profile the audit mode instead (PARTS)")
+    bytecodes.add_arguments(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     from kvaudit.targets.vllm.boot import load
@@ -79,6 +85,10 @@ def main() -> None:
     print(f"import of vLLM {v.version}'s v1 scheduler and KV-cache manager: {v.import_s:.2f} s")
     if args.profile:
         return _profile(args)
+    if args.opcodes:
+        for name, config, progs in _presets(args):
+            bytecodes.compare(name, config, progs, MODES[0], MODES[3], args.top)
+        return
     print(f"{args.programs} programs of {args.length} ops, best of {args.repeat}, one core\n")
     print("| preset | bare programs/s | hooks programs/s | audit programs/s | audit-sparse programs/s | "
           "audit / bare time | audit-sparse / bare time | build ms |")

@@ -469,6 +469,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         s = self.scheduler
         if self.config.wake_for_transfers and not s.has_requests() and not self.batch_queue and len(self.worker):
             out = s.schedule()
+            if self._unsettled:  # (audited: VllmSchedulerTarget.step)
+                self._settle_tables()
             self._on_schedule(out)
             s.update_from_output(out, self._empty_output())
             self.steps += 1

@@ -25,8 +25,10 @@ Private names read here are those of vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0 (w
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import Counter
+from itertools import filterfalse
 from operator import attrgetter
 
 import numpy as np
@@ -36,6 +38,7 @@ from kvaudit.targets.base import Accounting, PoolSpec, ReadOnce, Root, TargetFin
 POOL = "block_pool"
 # a KVCacheBlock's fields, read in C (map over the pool's blocks)
 _BLOCK_HASH, _BLOCK_ID, _REF_CNT = attrgetter("block_hash"), attrgetter("block_id"), attrgetter("ref_cnt")
+_IS_NULL = attrgetter("is_null")
 TABLE_FRAMES = 3  # frames above a get_new_blocks/touch call searched for the manager and request it serves
 
 
@@ -66,9 +69,17 @@ def _adder(out: list):
         kind, POOL, np.asarray(units, dtype=np.int64), message, check=check, free_sites=free_sites))
 
 
+@functools.cache
+def status_names(statuses) -> dict:
+    """vLLM's ``RequestStatus`` (``statuses``) -> each status's name in lower case, the place a request sits as
+    the targets' ``known()`` names it (an enum's ``name`` is a Python property: read once a process)."""
+    return {s: s.name.lower() for s in statuses}
+
+
 def block_ids(blocks) -> list[int]:
-    """Ids of ``blocks`` (vLLM ``KVCacheBlock``), the null block left out (vLLM never counts it)."""
-    return [b.block_id for b in blocks if not b.is_null]
+    """Ids of ``blocks`` (vLLM ``KVCacheBlock``), the null block left out (vLLM never counts it). (Read in C: the
+    ledger's wrappers and the table records call it on every block a call takes or frees.)"""
+    return list(map(_BLOCK_ID, filterfalse(_IS_NULL, blocks)))
 
 
 class VllmObserver:
@@ -86,13 +97,14 @@ class VllmObserver:
         self.groups = self.manager.coordinator.single_type_managers
         n = self.config.num_gpu_blocks
         self._pools = [PoolSpec(POOL, self.pool, "blocks", self.config.block_size, n - 1)]
-        # (step, "insert"|"remove", block id, hash hex prefix, site id: Auditor.site(id) is its stack)
-        self.hash_log: list[tuple[int, str, int, str, int]] = []
+        # (step, "insert"|"remove", block id, hash, site id: Auditor.site(id) is its stack)
+        self.hash_log: list[tuple[int, str, int, bytes, int]] = []
         self.event_map: Counter = Counter()  # (external hash, group) -> blocks, from vLLM's KV-cache events
         self._event_keys: dict = {}  # a map key -> its (external hash, group), as an event names it
         self._auditor = None
         self.block_tables: list | None = None  # per block, its latest table (_wrap_tables; None: unaudited)
         self._reads = ReadOnce()  # the holders, free queue and counts one check reads twice otherwise
+        self._unsettled: list[tuple[str, list[int]]] = []  # (request id, blocks) recorded since the last settle
         # the scheduler's call in update_from_output; the events still go on
         after_call(self.manager, "take_events", lambda events, *_, **__: self._replay_events(events, self.event_map))
 
@@ -144,49 +156,49 @@ class VllmObserver:
         ``req_to_blocks[request_id]`` of the single-type manager that called (the nearest of
         :data:`TABLE_FRAMES` frames with a ``self`` that has ``req_to_blocks`` and a str ``request_id``), and
         ``len(auditor.events)`` after the call (read by :meth:`lost_by`), and where the request sits once the
-        ``schedule()`` that called is done (its status, as :meth:`known` names it: :meth:`_settle_tables`). Only
-        calls that take blocks pay the frame walk (a few per request, not one per step)."""
+        ``schedule()`` that called is done (its status, as :meth:`known` names it: :meth:`_settle_tables`, which
+        the target's step calls after ``schedule()``). Only calls that take blocks pay the frame walk (a few per
+        request, not one per step)."""
         n = self.config.num_gpu_blocks
         self.block_tables = [None] * n
         self.block_table_at = np.full(n, -1, dtype=np.int64)
         self.block_where = np.full(n, "", dtype=object)  # (object: a settle writes a request's blocks at once)
-        self._unsettled: list[tuple[str, list[int]]] = []  # (request id, blocks) recorded since the last settle
 
-        def record(blocks) -> None:
-            f = sys._getframe(2)
-            for _ in range(TABLE_FRAMES):
-                if f is None:
-                    return
-                rid, tables = f.f_locals.get("request_id"), getattr(f.f_locals.get("self"), "req_to_blocks", None)
-                if isinstance(rid, str) and tables is not None:
-                    table, at, ids = tables.get(rid), len(auditor.events), block_ids(blocks)
-                    for b in ids:
-                        self.block_tables[b], self.block_table_at[b] = table, at
-                    self._unsettled.append((rid, ids))
-                    return
-                f = f.f_back
-
+        tables_of, at_of, unsettled, events = self.block_tables, self.block_table_at, self._unsettled, auditor.events
         for name in ("get_new_blocks", "touch"):
             fn = getattr(self.pool, name)
 
             def call(*a, _fn=fn, _new=name == "get_new_blocks", **k):
                 out = _fn(*a, **k)
                 blocks = out if _new else a[0] if a else k.get("blocks")
-                if blocks and isinstance(blocks, (list, tuple)):
-                    record(blocks)
+                if not blocks or not isinstance(blocks, (list, tuple)):
+                    return out
+                f = sys._getframe(1)  # (the caller, then up)
+                for _ in range(TABLE_FRAMES):
+                    if f is None:
+                        break
+                    names = f.f_locals
+                    rid, tables = names.get("request_id"), getattr(names.get("self"), "req_to_blocks", None)
+                    if isinstance(rid, str) and tables is not None:
+                        table, ids = tables.get(rid), block_ids(blocks)
+                        for b in ids:
+                            tables_of[b] = table
+                        at_of[ids] = len(events)
+                        unsettled.append((rid, ids))
+                        break
+                    f = f.f_back
                 return out
 
             wrap(self.pool, name, call)
-        if getattr(self, "scheduler", None) is not None:
-            after_call(self.scheduler, "schedule", self._settle_tables, wrap)
 
-    def _settle_tables(self, *_, **__) -> None:
+    def _settle_tables(self) -> None:
         """Where (a request's status, lower case) each request that took blocks since the last call sits now,
-        for those blocks: after ``schedule()`` (its hook: the call's result and arguments are ignored), the queue
-        a check would have seen it in (``running``; a load in flight: ``waiting_for_remote_kvs``)."""
+        for those blocks: called by the target's step right after ``schedule()`` (when a request took blocks),
+        the queue a check would have seen it in (``running``; a load in flight: ``waiting_for_remote_kvs``)."""
+        where, requests, block_where = status_names(self.V.RequestStatus), self.requests, self.block_where
         for rid, ids in self._unsettled:
-            request = self.requests.get(rid)
-            self.block_where[ids] = "" if request is None else request.status.name.lower()
+            request = requests.get(rid)
+            block_where[ids] = "" if request is None else where[request.status]
         self._unsettled.clear()
 
     def lost_by(self, pool: str, units) -> list[str] | None:
@@ -258,13 +270,14 @@ class VllmObserver:
             free_sites=self.free_sites(b)))
 
     def _log_hashes(self, what: str, block_id: int, hashes, auditor) -> None:
-        sid = auditor.capture_site()
-        self.hash_log.extend((self.steps, what, block_id, bytes(h)[:6].hex(), sid) for h in hashes)
+        step, sid = self.steps, auditor.capture_site()
+        self.hash_log += [(step, what, block_id, h, sid) for h in hashes]
 
     def _log_insert(self, owner, name: str, auditor, wrap=setattr) -> None:
         """Log each ``owner.name(block_hash, block, ...)`` (the pool's insert helper or the map's own insert)."""
-        after_call(owner, name, lambda _, h, block, *a, **k: self._log_hashes("insert", block.block_id, [h], auditor),
-                   wrap)
+        log = self.hash_log
+        after_call(owner, name, lambda _, h, block, *a, **k: log.append(
+            (self.steps, "insert", block.block_id, h, auditor.capture_site())), wrap)
 
     def _wrap_hash_helpers(self, auditor, wrap) -> None:
         """vLLM >= 0.24.0 (``compat`` "hash-helpers"): the pool's own insert and removal helpers."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter, deque
+from itertools import compress, repeat
 from operator import itemgetter
 
 import numpy as np
@@ -24,7 +25,7 @@ from kvaudit.program import Abort, CloseSession, FlushCache, MemoryPressure, Ope
 from kvaudit.targets.base import Target, TargetFinding
 from kvaudit.targets.vllm.boot import build_manager, build_scheduler, load
 from kvaudit.targets.vllm.config import VllmConfig
-from kvaudit.targets.vllm.observer import POOL, VllmObserver, after_call, block_ids
+from kvaudit.targets.vllm.observer import POOL, VllmObserver, after_call, block_ids, status_names
 
 
 class _VllmBase(VllmObserver, Target):
@@ -105,7 +106,8 @@ class _VllmBase(VllmObserver, Target):
     def known(self) -> dict:
         """Request id -> ``(Request, status name)`` of every request the scheduler knows (``self.requests``:
         ``Scheduler.requests`` at scheduler level)."""
-        return {rid: (r, r.status.name.lower()) for rid, r in self.requests.items()}
+        where = status_names(self.V.RequestStatus)
+        return {rid: (r, where[r.status]) for rid, r in self.requests.items()}
 
     def deferred(self) -> list:
         """The block lists of deferred frees: none here."""
@@ -297,6 +299,8 @@ class VllmSchedulerTarget(_VllmBase):
             self.steps += 1
             return
         out = s.schedule()
+        if self._unsettled:  # (audited: the blocks this schedule() took, where their requests sit now)
+            self._settle_tables()
         if self.inflight_preempted and not self.preempt_findings:  # checked before that batch is processed
             self.preempt_findings = self._inflight_findings()
         self.inflight_preempted.clear()
@@ -511,9 +515,11 @@ class VllmSchedulerTarget(_VllmBase):
         if not self.is_idle():
             return []
         known, texts = self.scheduler.requests, self.texts.keys()  # (texts' keys: request ids, all str)
-        # only the dicts holding a request id the Scheduler no longer knows (found by set operations in C)
-        tables = [(name, table) for name, table in vars(self.scheduler).items()
-                  if isinstance(table, dict) and table and not (texts & table.keys()) <= known.keys()]
+        # only the dicts holding a request id the Scheduler no longer knows (found by set operations in C; the
+        # dict attributes picked in C too: most of the Scheduler's attributes are not dicts)
+        attrs = vars(self.scheduler)
+        tables = [(name, table) for name in compress(attrs, map(isinstance, attrs.values(), repeat(dict)))
+                  if (table := attrs[name]) and not (texts & table.keys()) <= known.keys()]
         for name, table in sorted(tables, key=itemgetter(0)):  # (the attributes' names: the first one said)
             dead = [k for k in table if isinstance(k, str) and k in self.texts and k not in known]
             if dead:
