@@ -608,8 +608,10 @@ def test_the_launch_line_sets_what_the_finding_needs_as_sglang_parses_it(tmp_pat
      []),
     ("sglang-mamba-small", {"max_mamba_cache_size": 9, "mamba_radix_cache_strategy": "no_buffer"}, []),
     ("sglang-mamba-mixed", {"max_mamba_cache_size": 24, "mamba_radix_cache_strategy": "extra_buffer"}, []),
-    ("sglang-pd-decode-radix", {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
-     [])])
+    ("sglang-pd-decode-radix", {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
+                                "disaggregation_enable_kv_checksum": True}, []),
+    # (tq68: the driver verifies every landed transfer's KV checksum, pd.py's server args; the line left it off)
+    ("sglang-pd-decode", {"disaggregation_mode": "decode", "disaggregation_enable_kv_checksum": True}, [])])
 def test_the_launch_line_sets_the_presets_cache_policy_as_sglang_parses_it(tmp_path, preset, want, env):
     """Tester te65: the launch line left out what these presets change in the server's behaviour: the tree's
     eviction policy (a server launched as the issue says evicts by LRU), priority preemption's threshold and

@@ -134,6 +134,9 @@ def _pd_flags(c) -> tuple[list[str], list[str], list[str]]:
         unmapped.append(f"need_sort={str(c.need_sort).lower()} (the allocator's sorted frees; SGLang sorts them in a "
                         "PD server only)")
     if c.disaggregation_mode == "decode":
+        # the driver verifies every landed transfer's KV checksum (pd.py's server args), as a server launched with
+        # this flag does (sglang/srt/arg_groups/fields/disagg.py: on both servers)
+        flags.append("--disaggregation-enable-kv-checksum")
         env.append(f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE={int(c.deferred_kv_release)}")
         if c.deferred_kv_release:
             env.append(f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={c.deferred_release_timeout_steps}")
@@ -143,8 +146,7 @@ def _pd_flags(c) -> tuple[list[str], list[str], list[str]]:
                         "(kvaudit plays the prefill server and the wire: a transfer lands that many steps after its "
                         f"metadata is sent, and prefill acknowledges an aborted transfer's drain {acked}; on a server "
                         "both are the prefill server's and the network's)")
-        if c.kv_checksum_mismatch_every is not None:  # (sglang/srt/arg_groups/fields/disagg.py: on both servers)
-            flags.append("--disaggregation-enable-kv-checksum")
+        if c.kv_checksum_mismatch_every is not None:
             env.append(f"SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB={1 / c.kv_checksum_mismatch_every:g}")
             unmapped.append(f"kv_checksum_mismatch_every={c.kv_checksum_mismatch_every} (kvaudit's wire corrupts "
                             "every Nth landed transfer; SGLang's test-only injector flips a request's digest with "
