@@ -61,9 +61,10 @@ def count(into: Counter, keys, delta: int) -> None:
 
 
 def _adder(out: list):
-    """``add(kind, units, message, check, free_sites=())``: a :class:`TargetFinding` of the pool into ``out``."""
-    return lambda kind, units, message, check, free_sites=(): out.append(TargetFinding(
-        kind, POOL, np.asarray(units, dtype=np.int64), message, check=check, free_sites=free_sites))
+    """``add(kind, units, message, check, free_sites=(), lost_by="")``: a :class:`TargetFinding` of the pool into
+    ``out``."""
+    return lambda kind, units, message, check, free_sites=(), lost_by="": out.append(TargetFinding(
+        kind, POOL, np.asarray(units, dtype=np.int64), message, check=check, free_sites=free_sites, lost_by=lost_by))
 
 
 def block_ids(blocks) -> list[int]:
@@ -483,9 +484,14 @@ class VllmObserver:
             return
         over = ((counts > refs) & (refs > 0))[1:].nonzero()[0] + 1  # (the null block left out)
         if over.size:
-            b = int(over[0])
-            add("leak", over, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference was "
-                              "taken and never dropped", "ref_cnt")
+            lost = np.array(self._dropped_with(over, counts, refs), dtype=object)
+            for where in sorted(set(lost.tolist())):  # one finding per place a table was dropped from, then the rest
+                mine = over[lost == where]
+                b = int(mine[0])
+                add("leak", mine, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference was "
+                                  "taken and never dropped" + (where and f" (a block table no request holds lists "
+                                  f"it, dropped {where} with its references)"), "" if where else "ref_cnt",
+                    lost_by=where)
         ledgered = self._auditor.ledgers[POOL].allocated if self._auditor is not None else np.zeros(n, dtype=bool)
         under = ((counts < refs) & ((counts > 0) | ledgered))[1:].nonzero()[0] + 1  # at 0 behind the ledger's back too
         if under.size:
@@ -496,6 +502,31 @@ class VllmObserver:
         if (counts[1:] < 0).any():
             bad = (counts < 0).nonzero()[0]
             add("double-free", bad, f"block {int(bad[0])} has ref_cnt={counts[bad[0]]}", "ref_cnt")
+
+    def _dropped_with(self, over: np.ndarray, counts: np.ndarray, refs: np.ndarray) -> list[str]:
+        """Per block of ``over`` (``[n] int64``, each counted above its holders' references: ``counts``, ``refs``)
+        what :meth:`lost_by` says of a block of the table that took the reference no holder accounts for
+        (``from:<where>``), ``""`` when no table is known: a recorded table (:meth:`_wrap_tables`) that lists the
+        block and that no request the scheduler knows holds, whose own blocks (those it took last since their
+        allocation) each still carry a reference no holder accounts for: the table went whole with its
+        references, as the leak oracle's ``from:`` leak of a block only it held (a table released through the
+        pool dropped them; a reference taken outside any table is none's)."""
+        tables = self.block_tables
+        if tables is None or self._auditor is None:
+            return [""] * over.size
+        held = {id(mgr.req_to_blocks.get(rid)) for mgr in self.groups for rid in self.requests}
+        took: dict[int, list[int]] = {}  # id(table) -> the blocks it took last, since their allocation
+        fresh = (self.block_table_at > self._auditor.ledgers[POOL].last_alloc).nonzero()[0]
+        for c in fresh.tolist():
+            if tables[c] is not None and id(tables[c]) not in held:
+                took.setdefault(id(tables[c]), []).append(c)
+        self._settle_tables()  # (where each table's request sat, as lost_by reads it)
+        dropped = []
+        for cs in took.values():
+            if all(counts[c] > refs[c] for c in cs):
+                where = self.block_where[cs[0]]
+                dropped.append((set(block_ids(tables[cs[0]])), f"from:{where}" if where else "table:lost"))
+        return [next((w for ids, w in dropped if b in ids), "") for b in over.tolist()]
 
     def _check_free_queue(self, counts, add) -> None:
         """``free_block_queue`` is well formed, holds exactly the blocks at count 0 (``counts``), never the null
