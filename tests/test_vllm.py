@@ -669,6 +669,21 @@ def test_a_skipped_free_of_a_one_step_request_is_not_the_rejected_draft_leak():
     assert cut == [f.signature for f in draft] == [f"leak/{POOL}/schedule@scheduler.py/table:cut"], cut
 
 
+def test_a_skipped_free_at_manager_level_reads_as_at_scheduler_level():
+    """The manager level has no schedule() after which the observer records where a request that took blocks
+    sits: a request admitted and finished in one step() was gone before a leak asked, so its blocks read
+    table:lost, and a request a check saw running read from:running for its checked blocks and table:lost for
+    the block it took in its last step (one bug, two signatures). The driver's finish records the place first
+    (running, where the request ran), as the Scheduler's level does after schedule(); a prefix it shared with
+    a running request (the reference-count leak) reads the same."""
+    skip = cfg("vllm-manager", bugs=frozenset({"skip-free"}))
+    want = [f"leak/{POOL}/step@target.py/from:running"]
+    for program in ([Submit(0, 1, 1), Step(1)], [Submit(0, 16, 2), Step(2)],
+                    [Submit(0, 12, 20), Step(1), Submit(0, 12, 2), Step(4)]):
+        found = execute(skip, program).signatures
+        assert found == want, (program, found)
+
+
 def test_a_skipped_free_of_a_request_that_shared_a_prefix_is_one_signature():
     """skip-free of a request whose prompt hit another running request's cached blocks: its own blocks leak
     (no holder: from:running) and the shared ones keep a reference no holder accounts for (ref_cnt=2, one

@@ -653,7 +653,12 @@ class VllmManagerTarget(_VllmBase):
             _evict_cached(self.manager)
 
     def _finish(self, request, status) -> None:
-        """``Scheduler.finish_requests`` / ``_free_request``: out of the queues, status set, blocks freed."""
+        """``Scheduler.finish_requests`` / ``_free_request``: out of the queues, status set, blocks freed. First,
+        where each request that took blocks sits (the observer's place record, which the Scheduler's level takes
+        after each ``schedule()``; this level has none: a request admitted and finished in one ``step()`` sat in
+        ``running``, as a check would have seen it)."""
+        if self.block_tables is not None:  # (audited)
+            self._settle_tables()
         for queue in (self.running, self.waiting):
             if request in queue:
                 queue.remove(request)
