@@ -703,6 +703,20 @@ def test_a_skipped_free_of_a_request_that_shared_a_prefix_is_one_signature():
         assert f.signature == f"leak/{POOL}/schedule@scheduler.py/check:ref_cnt", f.signature
 
 
+@pytest.mark.parametrize("preset, program", [
+    ("vllm-manager", [Submit(0, 10, 4), Step(3), Abort(None), Submit(0, 1, 2, extends=0), Step(1)]),
+    ("vllm", [Submit(0, 30, 4), Step(3), Abort(None), Submit(0, 1, 2, extends=0), Step(1)])])
+def test_a_skipped_free_whose_blocks_a_later_request_all_took_reads_from_where_it_was_seen(preset, program):
+    """skip-free of a request a check saw running, whose every block a later request then took (a prefix hit
+    on its whole cached text): no block's latest table is the dropped one, so the reference-count leak read
+    .../check:ref_cnt (found by `kvaudit fuzz --target vllm --preset vllm-manager --bug skip-free --seed 3
+    --corpus DIR`, 5 of 5 seeds, after the table rule). The observer keeps who held what at the look before:
+    a holder gone since, each of whose blocks still carries a reference no holder accounts for, names it."""
+    found = execute(cfg(preset, bugs=frozenset({"skip-free"})), program).signatures
+    site = "step@target.py" if preset == "vllm-manager" else "schedule@scheduler.py"
+    assert found == [f"leak/{POOL}/{site}/from:running"], found
+
+
 def test_a_rejected_draft_block_an_abort_freed_just_before_is_not_blamed_on_the_abort():
     """leak-rejected-draft-blocks where a block the previous check saw req 0 hold is freed by req 0's abort
     and handed, in the same step, to another request's draft positions, then cut off its table: the leak is

@@ -94,6 +94,7 @@ class VllmObserver:
         self._auditor = None
         self.block_tables: list | None = None  # per block, its latest table (_wrap_tables; None: unaudited)
         self._reads = ReadOnce()  # the holders, free queue and counts one check reads twice otherwise
+        self._looks: tuple = ((), [], [])  # (mark, holders) of the latest roots() look, and the holders before it
         # the scheduler's call in update_from_output; the events still go on
         after_call(self.manager, "take_events", lambda events, *_, **__: self._replay_events(events, self.event_map))
 
@@ -409,7 +410,10 @@ class VllmObserver:
 
     def roots(self, aborting: bool = True) -> list[Root]:
         holders, refs = self._holders(self.known())
-        self._reads.keep("refs", self._mark(), refs)
+        mark = self._mark()
+        self._reads.keep("refs", mark, refs)
+        if mark != self._looks[0]:  # (kept for _dropped_with: who held what at the look before)
+            self._looks = (mark, holders, self._looks[1])
         out = []
         for owner, where, units in holders:
             shared = refs[units] > 1
@@ -508,9 +512,12 @@ class VllmObserver:
         what :meth:`lost_by` says of a block of the table that took the reference no holder accounts for
         (``from:<where>``), ``""`` when no table is known: a recorded table (:meth:`_wrap_tables`) that lists the
         block and that no request the scheduler knows holds, whose own blocks (those it took last since their
-        allocation) each still carry a reference no holder accounts for: the table went whole with its
-        references, as the leak oracle's ``from:`` leak of a block only it held (a table released through the
-        pool dropped them; a reference taken outside any table is none's)."""
+        allocation) each still carry a reference no holder accounts for; else a request the look before this
+        one (:meth:`roots`) saw hold the block, gone since, each of whose blocks then still carries one (its
+        place then, as the core names an owner dropped since the previous check: its blocks may all have been
+        taken by another request since, a prefix hit). Either way the table went whole with its references, as
+        the leak oracle's ``from:`` leak of a block only it held (a table released through the pool dropped
+        them; a reference taken outside any table is none's)."""
         tables = self.block_tables
         if tables is None or self._auditor is None:
             return [""] * over.size
@@ -526,6 +533,12 @@ class VllmObserver:
             if all(counts[c] > refs[c] for c in cs):
                 where = self.block_where[cs[0]]
                 dropped.append((set(block_ids(tables[cs[0]])), f"from:{where}" if where else "table:lost"))
+        gone: dict[str, tuple[str, list]] = {}  # a holder the look before saw, no request now: (where, its blocks)
+        for owner, where, ids in self._looks[2]:
+            if owner.startswith("req:") and owner[4:] not in self.requests:
+                gone.setdefault(owner, (where, []))[1].extend(ids.tolist())
+        dropped += [(set(ids), f"from:{where}" if where else "table:lost") for where, ids in gone.values()
+                    if all(counts[c] > refs[c] for c in ids)]
         return [next((w for ids, w in dropped if b in ids), "") for b in over.tolist()]
 
     def _check_free_queue(self, counts, add) -> None:
