@@ -717,6 +717,18 @@ def test_a_skipped_free_whose_blocks_a_later_request_all_took_reads_from_where_i
     assert found == [f"leak/{POOL}/{site}/from:running"], found
 
 
+def test_a_skipped_free_whose_prefix_a_preempted_request_shared_is_not_named_by_the_preemption():
+    """skip-free of req 1 whose prefix req 3 took last (a prefix hit), then req 3 preempted in the same step
+    (the pool is full of req 1's kept blocks): the prefix's only reference left is req 1's dropped table's, but
+    the block's latest table, req 3's, still lists it, so the leak read .../from:preempted beside req 1's own
+    block's .../from:running (one bug, two signatures; `kvaudit fuzz --target vllm --preset vllm-manager --bug
+    skip-free --corpus DIR`, seeds 1, 2 and 4 of 5). req 3's table was released through the pool (its own
+    blocks at count 0): the table dropped with its references names the prefix instead."""
+    program = [Submit(2, 34, 4), Submit(0, 36, 4), Submit(2, 44, 3), Step(4)]
+    found = execute(cfg("vllm-manager", bugs=frozenset({"skip-free"})), program).signatures
+    assert found == [f"leak/{POOL}/step@target.py/from:running"], found
+
+
 def test_a_rejected_draft_block_an_abort_freed_just_before_is_not_blamed_on_the_abort():
     """leak-rejected-draft-blocks where a block the previous check saw req 0 hold is freed by req 0's abort
     and handed, in the same step, to another request's draft positions, then cut off its table: the leak is

@@ -198,8 +198,10 @@ class VllmObserver:
         place its request sat (:meth:`_settle_tables`; ``table:lost`` if none is known): the words the core gives
         an owner a check saw dropped with nothing freed (``Root.where``), as a request dropped in the step that
         gave it the block is the same bug; ``table:cut`` when the table no longer lists it (cut off its table
-        with no free); ``""`` when no table was recorded since the block's latest allocation. None for another
-        pool, or unaudited."""
+        with no free); ``""`` when no table was recorded since the block's latest allocation. A ``from:`` table
+        released through the pool (a preempted request's, whose prefix only a dropped table still holds) lost
+        nothing: the table :meth:`_dropped_with` finds dropped with its references names it, when there is
+        one. None for another pool, or unaudited."""
         tables = self.block_tables
         if pool != POOL or tables is None:
             return None
@@ -211,6 +213,9 @@ class VllmObserver:
             table = tables[b] if ok else None
             where = f"from:{self.block_where[b]}" if self.block_where[b] else "table:lost"
             out.append("" if table is None else where if b in block_ids(table) else "table:cut")
+        if any(x and x != "table:cut" for x in out):
+            dropped = self._dropped_with(u, self._ref_counts(), self._holders(self.known())[1])
+            out = [d if d and x and x != "table:cut" else x for x, d in zip(out, dropped)]
         return out
 
     def _wrap_cow_refs(self, mgr, auditor, wrap) -> None:
