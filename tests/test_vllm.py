@@ -727,6 +727,12 @@ def test_a_skipped_free_whose_prefix_a_preempted_request_shared_is_not_named_by_
     program = [Submit(2, 34, 4), Submit(0, 36, 4), Submit(2, 44, 3), Step(4)]
     found = execute(cfg("vllm-manager", bugs=frozenset({"skip-free"})), program).signatures
     assert found == [f"leak/{POOL}/step@target.py/from:running"], found
+    # the preempted request took the dropped one's first block by a prefix hit after its own block was freed
+    # and taken again: its table, not the dropped one's, is the block's latest, and the manager level placed it
+    # at the leak, after its preemption (seed 1 after the lost_by fix); the driver now places it as it preempts
+    program = [Submit(0, 42, 4), Submit(1, 11, 5), Submit(2, 24, 4), Submit(0, 4, 3), Step(4)]
+    found = execute(cfg("vllm-manager", bugs=frozenset({"skip-free"})), program).signatures
+    assert found == [f"leak/{POOL}/step@target.py/from:running"], found
 
 
 def test_a_rejected_draft_block_an_abort_freed_just_before_is_not_blamed_on_the_abort():

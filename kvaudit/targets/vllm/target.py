@@ -667,7 +667,10 @@ class VllmManagerTarget(_VllmBase):
         del self.requests[request.request_id]
 
     def _preempt(self, request) -> None:
-        """``Scheduler._preempt_request``: blocks freed, recomputed from scratch later, first in line."""
+        """``Scheduler._preempt_request``: blocks freed, recomputed from scratch later, first in line. The places
+        first, as :meth:`_finish` records them."""
+        if self.block_tables is not None:  # (audited)
+            self._settle_tables()
         self.running.remove(request)
         self.manager.free(request)
         request.status = self.V.RequestStatus.PREEMPTED
