@@ -159,6 +159,21 @@ def test_a_target_reports_a_finding_of_any_kind_with_its_check(toy):
     assert f.signature == "accounting-drift/blocks/ref_cnt" and f.slots == [2]
 
 
+def test_a_targets_leak_that_names_what_lost_it_reads_as_the_leak_oracles(toy):
+    """A target's leak with ``lost_by`` (vLLM: a reference count above the holders, kept by a block table dropped
+    whole: ``from:running``) ends as the leak oracle's of the same loss (``Target.lost_by``'s words), with its
+    check after it when it names one."""
+    t, a = toy()
+    t.held["a"] = t.pool.new(2)
+    t.own.append(TargetFinding("leak", "blocks", np.array([2]), "ref_cnt off", lost_by="from:running"))
+    (f,) = oracles.check(a, t)
+    kind, pool, site, *rest = f.signature.split("/")
+    assert (kind, pool, rest) == ("leak", "blocks", ["from:running"]) and "@" in site, f.signature
+    t.own[0] = t.own[0]._replace(check="ref_cnt")
+    (f,) = oracles.check(a, t)
+    assert f.signature == f"leak/blocks/{site}/from:running/check:ref_cnt"
+
+
 @dataclass(frozen=True)
 class ToyConfig(ConfigBase):
     n: int = 8
@@ -592,6 +607,11 @@ class UnknownKindFindings(rowtoy_plugin.RowToyTarget):
         return [TargetFinding("ref-mismatch", "rows", r.rows, "x") for r in self.engine.running]
 
 
+class NoneLostBy(rowtoy_plugin.RowToyTarget):
+    def invariant_findings(self):
+        return [TargetFinding("leak", "rows", r.rows, "x", lost_by=None) for r in self.engine.running]
+
+
 class ListProgress(rowtoy_plugin.RowToyTarget):
     def progress(self):
         return [r.out for r in self.engine.running]
@@ -627,7 +647,10 @@ READS = {"free-lists-pylist": (PyListFreeLists, 'PyListFreeLists.free_lists() mu
                                                  "available, evictable, protected, session_held, uncached, "
                                                  'referenced, got ["available", "refrenced"]'),
          "findings-tuples": (TupleFindings, "TupleFindings.invariant_findings() must return a list of TargetFinding "
-                                            "of declared pools with integer units, got [["),
+                                            "of declared pools with integer units and a string lost_by, got [["),
+         # (a lost_by of None went into the finding, and its replay file was refused on load)
+         "findings-lost-by-none": (NoneLostBy, "NoneLostBy.invariant_findings() must return a list of TargetFinding "
+                                               "of declared pools with integer units and a string lost_by, got [["),
          "findings-unknown-kind": (UnknownKindFindings, 'UnknownKindFindings.invariant_findings(): finding kind '
                                                         '"ref-mismatch" is not one of leak, '),
          "progress-list": (ListProgress, "ListProgress.progress() must return {request: int}, got ["),

@@ -669,6 +669,72 @@ def test_a_skipped_free_of_a_one_step_request_is_not_the_rejected_draft_leak():
     assert cut == [f.signature for f in draft] == [f"leak/{POOL}/schedule@scheduler.py/table:cut"], cut
 
 
+def test_a_skipped_free_at_manager_level_reads_as_at_scheduler_level():
+    """The manager level has no schedule() after which the observer records where a request that took blocks
+    sits: a request admitted and finished in one step() was gone before a leak asked, so its blocks read
+    table:lost, and a request a check saw running read from:running for its checked blocks and table:lost for
+    the block it took in its last step (one bug, two signatures). The driver's finish records the place first
+    (running, where the request ran), as the Scheduler's level does after schedule(); a prefix it shared with
+    a running request (the reference-count leak) reads the same."""
+    skip = cfg("vllm-manager", bugs=frozenset({"skip-free"}))
+    want = [f"leak/{POOL}/step@target.py/from:running"]
+    for program in ([Submit(0, 1, 1), Step(1)], [Submit(0, 16, 2), Step(2)],
+                    [Submit(0, 12, 20), Step(1), Submit(0, 12, 2), Step(4)]):
+        found = execute(skip, program).signatures
+        assert found == want, (program, found)
+
+
+def test_a_skipped_free_of_a_request_that_shared_a_prefix_is_one_signature():
+    """skip-free of a request whose prompt hit another running request's cached blocks: its own blocks leak
+    (no holder: from:running) and the shared ones keep a reference no holder accounts for (ref_cnt=2, one
+    holder). Both are the one dropped table: the reference-count leak names it as the leak oracle does (before,
+    also .../check:ref_cnt: one bug, two signatures in every skip-free campaign, seeds 1-5). A count above the
+    holders that no dropped table explains (a reference taken outside any table, beside a table released
+    through the pool that still lists the block) stays check:ref_cnt."""
+    program = [Submit(0, 40, 20), Step(1), Submit(0, 40, 2), Step(4)]
+    found = execute(cfg("vllm", bugs=frozenset({"skip-free"})), program).signatures
+    assert found == [f"leak/{POOL}/schedule@scheduler.py/from:running"], found
+    with AuditedRun(cfg("vllm")) as r:  # no fault: req 2's table is released (popped, still listing the prefix)
+        for op in program:
+            assert r.apply(op) == []
+        b = r.target.groups[0].req_to_blocks[R1][0]
+        b.ref_cnt += 1
+        (f,) = only(check(r), "leak", "ref_cnt")
+        assert f.signature == f"leak/{POOL}/schedule@scheduler.py/check:ref_cnt", f.signature
+
+
+@pytest.mark.parametrize("preset, program", [
+    ("vllm-manager", [Submit(0, 10, 4), Step(3), Abort(None), Submit(0, 1, 2, extends=0), Step(1)]),
+    ("vllm", [Submit(0, 30, 4), Step(3), Abort(None), Submit(0, 1, 2, extends=0), Step(1)])])
+def test_a_skipped_free_whose_blocks_a_later_request_all_took_reads_from_where_it_was_seen(preset, program):
+    """skip-free of a request a check saw running, whose every block a later request then took (a prefix hit
+    on its whole cached text): no block's latest table is the dropped one, so the reference-count leak read
+    .../check:ref_cnt (found by `kvaudit fuzz --target vllm --preset vllm-manager --bug skip-free --seed 3
+    --corpus DIR`, 5 of 5 seeds, after the table rule). The observer keeps who held what at the look before:
+    a holder gone since, each of whose blocks still carries a reference no holder accounts for, names it."""
+    found = execute(cfg(preset, bugs=frozenset({"skip-free"})), program).signatures
+    site = "step@target.py" if preset == "vllm-manager" else "schedule@scheduler.py"
+    assert found == [f"leak/{POOL}/{site}/from:running"], found
+
+
+def test_a_skipped_free_whose_prefix_a_preempted_request_shared_is_not_named_by_the_preemption():
+    """skip-free of req 1 whose prefix req 3 took last (a prefix hit), then req 3 preempted in the same step
+    (the pool is full of req 1's kept blocks): the prefix's only reference left is req 1's dropped table's, but
+    the block's latest table, req 3's, still lists it, so the leak read .../from:preempted beside req 1's own
+    block's .../from:running (one bug, two signatures; `kvaudit fuzz --target vllm --preset vllm-manager --bug
+    skip-free --corpus DIR`, seeds 1, 2 and 4 of 5). req 3's table was released through the pool (its own
+    blocks at count 0): the table dropped with its references names the prefix instead."""
+    program = [Submit(2, 34, 4), Submit(0, 36, 4), Submit(2, 44, 3), Step(4)]
+    found = execute(cfg("vllm-manager", bugs=frozenset({"skip-free"})), program).signatures
+    assert found == [f"leak/{POOL}/step@target.py/from:running"], found
+    # the preempted request took the dropped one's first block by a prefix hit after its own block was freed
+    # and taken again: its table, not the dropped one's, is the block's latest, and the manager level placed it
+    # at the leak, after its preemption (seed 1 after the lost_by fix); the driver now places it as it preempts
+    program = [Submit(0, 42, 4), Submit(1, 11, 5), Submit(2, 24, 4), Submit(0, 4, 3), Step(4)]
+    found = execute(cfg("vllm-manager", bugs=frozenset({"skip-free"})), program).signatures
+    assert found == [f"leak/{POOL}/step@target.py/from:running"], found
+
+
 def test_a_rejected_draft_block_an_abort_freed_just_before_is_not_blamed_on_the_abort():
     """leak-rejected-draft-blocks where a block the previous check saw req 0 hold is freed by req 0's abort
     and handed, in the same step, to another request's draft positions, then cut off its table: the leak is

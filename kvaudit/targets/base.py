@@ -109,7 +109,11 @@ class TargetFinding(NamedTuple):
     (optional) the site ids (``Auditor.capture_site``; -1 for none) of the frees that broke it, oldest
     first: a ``double-free``'s previous and last free, which its signature names as the ledger's does;
     ``used_by`` (optional, a ``use-after-free``'s) who still uses the units, in the target's words (``a step in
-    flight that writes it for req:r1``): the headline and the report name it, as they name a live owner."""
+    flight that writes it for req:r1``): the headline and the report name it, as they name a live owner;
+    ``lost_by`` (optional, a ``leak``'s) what lost the reference the target finds no holder for, in the words
+    :meth:`Target.lost_by` gives the leak oracle (``from:running``: a holder dropped whole): with no ``check``,
+    the signature is the one the leak oracle gives the same loss of a block no one else held (one bug, one
+    signature)."""
 
     kind: str
     pool: str
@@ -118,6 +122,7 @@ class TargetFinding(NamedTuple):
     check: str = ""
     free_sites: tuple = ()
     used_by: tuple = ()
+    lost_by: str = ""
 
 
 class Recount(NamedTuple):
@@ -614,7 +619,7 @@ def _read_rules(pools: dict) -> dict:
         return v is None or isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
 
     def finding(t):  # (units: any integer array-like, or none: the oracle reads them with np.asarray)
-        if not (isinstance(t, TargetFinding) and t.pool in pools):
+        if not (isinstance(t, TargetFinding) and t.pool in pools and isinstance(t.lost_by, str)):
             return False
         try:
             units = np.asarray(t.units)
@@ -630,7 +635,7 @@ def _read_rules(pools: dict) -> dict:
         "identity_terms": (lambda v: isinstance(v, (tuple, list)) and bool(v) and all(t in IDENTITY_TERMS for t in v),
                            f"a tuple of {', '.join(IDENTITY_TERMS)}"),
         "invariant_findings": (lambda v: isinstance(v, list) and all(finding(t) for t in v),
-                               "a list of TargetFinding of declared pools with integer units"),
+                               "a list of TargetFinding of declared pools with integer units and a string lost_by"),
         "progress": (by_name, "{request: int}"),
         "reach": (by_name, "{name: int}"),
         "describe_busy": (lambda v: isinstance(v, str), "a string"),

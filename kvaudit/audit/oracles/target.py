@@ -23,6 +23,7 @@ def target_findings(auditor: Auditor, target) -> list[Finding]:
         f = auditor._unit_finding(t.kind, t.pool, units if units.size else np.zeros(1, np.int64), t.message)
         f.check = t.check
         f.used_by = list(t.used_by)  # who still uses the units, as the target says it
+        f.lost_by = t.lost_by  # what lost a leaked reference, as the target says it (a leak signature's part)
         if t.free_sites:  # the frees that broke it: the last one, and the one before it
             f.free_sites = auditor.site(int(t.free_sites[-1]))
             if len(t.free_sites) > 1:

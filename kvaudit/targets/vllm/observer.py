@@ -64,9 +64,10 @@ def count(into: Counter, keys, delta: int) -> None:
 
 
 def _adder(out: list):
-    """``add(kind, units, message, check, free_sites=())``: a :class:`TargetFinding` of the pool into ``out``."""
-    return lambda kind, units, message, check, free_sites=(): out.append(TargetFinding(
-        kind, POOL, np.asarray(units, dtype=np.int64), message, check=check, free_sites=free_sites))
+    """``add(kind, units, message, check, free_sites=(), lost_by="")``: a :class:`TargetFinding` of the pool into
+    ``out``."""
+    return lambda kind, units, message, check, free_sites=(), lost_by="": out.append(TargetFinding(
+        kind, POOL, np.asarray(units, dtype=np.int64), message, check=check, free_sites=free_sites, lost_by=lost_by))
 
 
 @functools.cache
@@ -105,6 +106,7 @@ class VllmObserver:
         self.block_tables: list | None = None  # per block, its latest table (_wrap_tables; None: unaudited)
         self._reads = ReadOnce()  # the holders, free queue and counts one check reads twice otherwise
         self._unsettled: list[tuple[str, list[int]]] = []  # (request id, blocks) recorded since the last settle
+        self._looks: tuple = ((), [], [])  # (mark, holders) of the latest roots() look, and the holders before it
         # the scheduler's call in update_from_output; the events still go on
         after_call(self.manager, "take_events", lambda events, *_, **__: self._replay_events(events, self.event_map))
 
@@ -208,8 +210,10 @@ class VllmObserver:
         place its request sat (:meth:`_settle_tables`; ``table:lost`` if none is known): the words the core gives
         an owner a check saw dropped with nothing freed (``Root.where``), as a request dropped in the step that
         gave it the block is the same bug; ``table:cut`` when the table no longer lists it (cut off its table
-        with no free); ``""`` when no table was recorded since the block's latest allocation. None for another
-        pool, or unaudited."""
+        with no free); ``""`` when no table was recorded since the block's latest allocation. A ``from:`` table
+        released through the pool (a preempted request's, whose prefix only a dropped table still holds) lost
+        nothing: the table :meth:`_dropped_with` finds dropped with its references names it, when there is
+        one. None for another pool, or unaudited."""
         tables = self.block_tables
         if pool != POOL or tables is None:
             return None
@@ -221,6 +225,9 @@ class VllmObserver:
             table = tables[b] if ok else None
             where = f"from:{self.block_where[b]}" if self.block_where[b] else "table:lost"
             out.append("" if table is None else where if b in block_ids(table) else "table:cut")
+        if any(x and x != "table:cut" for x in out):
+            dropped = self._dropped_with(u, self._ref_counts(), self._holders(self.known())[1])
+            out = [d if d and x and x != "table:cut" else x for x, d in zip(out, dropped)]
         return out
 
     def _wrap_cow_refs(self, mgr, auditor, wrap) -> None:
@@ -421,7 +428,10 @@ class VllmObserver:
 
     def roots(self, aborting: bool = True) -> list[Root]:
         holders, refs = self._holders(self.known())
-        self._reads.keep("refs", self._mark(), refs)
+        mark = self._mark()
+        self._reads.keep("refs", mark, refs)
+        if mark != self._looks[0]:  # (kept for _dropped_with: who held what at the look before)
+            self._looks = (mark, holders, self._looks[1])
         out = []
         for owner, where, units in holders:
             shared = refs[units] > 1
@@ -496,9 +506,14 @@ class VllmObserver:
             return
         over = ((counts > refs) & (refs > 0))[1:].nonzero()[0] + 1  # (the null block left out)
         if over.size:
-            b = int(over[0])
-            add("leak", over, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference was "
-                              "taken and never dropped", "ref_cnt")
+            lost = np.array(self._dropped_with(over, counts, refs), dtype=object)
+            for where in sorted(set(lost.tolist())):  # one finding per place a table was dropped from, then the rest
+                mine = over[lost == where]
+                b = int(mine[0])
+                add("leak", mine, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference was "
+                                  "taken and never dropped" + (where and f" (a block table no request holds lists "
+                                  f"it, dropped {where} with its references)"), "" if where else "ref_cnt",
+                    lost_by=where)
         ledgered = self._auditor.ledgers[POOL].allocated if self._auditor is not None else np.zeros(n, dtype=bool)
         under = ((counts < refs) & ((counts > 0) | ledgered))[1:].nonzero()[0] + 1  # at 0 behind the ledger's back too
         if under.size:
@@ -509,6 +524,40 @@ class VllmObserver:
         if (counts[1:] < 0).any():
             bad = (counts < 0).nonzero()[0]
             add("double-free", bad, f"block {int(bad[0])} has ref_cnt={counts[bad[0]]}", "ref_cnt")
+
+    def _dropped_with(self, over: np.ndarray, counts: np.ndarray, refs: np.ndarray) -> list[str]:
+        """Per block of ``over`` (``[n] int64``, each counted above its holders' references: ``counts``, ``refs``)
+        what :meth:`lost_by` says of a block of the table that took the reference no holder accounts for
+        (``from:<where>``), ``""`` when no table is known: a recorded table (:meth:`_wrap_tables`) that lists the
+        block and that no request the scheduler knows holds, whose own blocks (those it took last since their
+        allocation) each still carry a reference no holder accounts for; else a request the look before this
+        one (:meth:`roots`) saw hold the block, gone since, each of whose blocks then still carries one (its
+        place then, as the core names an owner dropped since the previous check: its blocks may all have been
+        taken by another request since, a prefix hit). Either way the table went whole with its references, as
+        the leak oracle's ``from:`` leak of a block only it held (a table released through the pool dropped
+        them; a reference taken outside any table is none's)."""
+        tables = self.block_tables
+        if tables is None or self._auditor is None:
+            return [""] * over.size
+        held = {id(mgr.req_to_blocks.get(rid)) for mgr in self.groups for rid in self.requests}
+        took: dict[int, list[int]] = {}  # id(table) -> the blocks it took last, since their allocation
+        fresh = (self.block_table_at > self._auditor.ledgers[POOL].last_alloc).nonzero()[0]
+        for c in fresh.tolist():
+            if tables[c] is not None and id(tables[c]) not in held:
+                took.setdefault(id(tables[c]), []).append(c)
+        self._settle_tables()  # (where each table's request sat, as lost_by reads it)
+        dropped = []
+        for cs in took.values():
+            if all(counts[c] > refs[c] for c in cs):
+                where = self.block_where[cs[0]]
+                dropped.append((set(block_ids(tables[cs[0]])), f"from:{where}" if where else "table:lost"))
+        gone: dict[str, tuple[str, list]] = {}  # a holder the look before saw, no request now: (where, its blocks)
+        for owner, where, ids in self._looks[2]:
+            if owner.startswith("req:") and owner[4:] not in self.requests:
+                gone.setdefault(owner, (where, []))[1].extend(ids.tolist())
+        dropped += [(set(ids), f"from:{where}" if where else "table:lost") for where, ids in gone.values()
+                    if all(counts[c] > refs[c] for c in ids)]
+        return [next((w for ids, w in dropped if b in ids), "") for b in over.tolist()]
 
     def _check_free_queue(self, counts, add) -> None:
         """``free_block_queue`` is well formed, holds exactly the blocks at count 0 (``counts``), never the null

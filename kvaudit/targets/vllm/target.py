@@ -664,7 +664,12 @@ class VllmManagerTarget(_VllmBase):
             _evict_cached(self.manager)
 
     def _finish(self, request, status) -> None:
-        """``Scheduler.finish_requests`` / ``_free_request``: out of the queues, status set, blocks freed."""
+        """``Scheduler.finish_requests`` / ``_free_request``: out of the queues, status set, blocks freed. First,
+        where each request that took blocks sits (the observer's place record, which the Scheduler's level takes
+        after each ``schedule()``; this level has none: a request admitted and finished in one ``step()`` sat in
+        ``running``, as a check would have seen it)."""
+        if self.block_tables is not None:  # (audited)
+            self._settle_tables()
         for queue in (self.running, self.waiting):
             if request in queue:
                 queue.remove(request)
@@ -673,7 +678,10 @@ class VllmManagerTarget(_VllmBase):
         del self.requests[request.request_id]
 
     def _preempt(self, request) -> None:
-        """``Scheduler._preempt_request``: blocks freed, recomputed from scratch later, first in line."""
+        """``Scheduler._preempt_request``: blocks freed, recomputed from scratch later, first in line. The places
+        first, as :meth:`_finish` records them."""
+        if self.block_tables is not None:  # (audited)
+            self._settle_tables()
         self.running.remove(request)
         self.manager.free(request)
         request.status = self.V.RequestStatus.PREEMPTED
