@@ -745,3 +745,31 @@ def test_a_rejected_draft_block_an_abort_freed_just_before_is_not_blamed_on_the_
                Step(2), Abort(0), Step(1)]
     found = execute(cfg("vllm-spec", bugs=frozenset({"leak-rejected-draft-blocks"})), program).signatures
     assert found == [f"leak/{POOL}/schedule@scheduler.py/table:cut"], found
+
+
+@pytest.mark.parametrize("preset,ops", [("vllm", "*(Submit(i, 20, 8) for i in range(6)), Step(2), Abort(None)"),
+                                        ("vllm-kv-save", "*(Submit(i, 20, 2) for i in range(6)), Step(8)")])
+def test_requests_freed_together_are_freed_in_one_order_whatever_the_hash_seed(preset, ops):
+    """Requests freed together free their blocks in arrival order, in any process: an abort of every request
+    (``vllm``), and sends reported done in one step (``vllm-kv-save``: ``finished_sending``). Handed several ids,
+    vLLM frees them in the iteration order of a set of str (0.33.0's ``vllm/v1/core/sched/scheduler.py``:
+    ``finish_requests`` makes a set of its ids; ``_update_from_kv_xfer_finished`` iterates the connector
+    output's), which follows ``PYTHONHASHSEED``: the free queue, and so which blocks later requests get, differed
+    between processes (tv68: a ``skip-offload-flush`` program on ``vllm-offload-small`` found a use-after-free
+    with hash seed 3 only). The target calls ``finish_requests`` once per id and hands over the stand-ins' sets
+    as :class:`~kvaudit.targets.vllm.connector.ArrivalOrder`."""
+    import subprocess
+    import sys
+
+    code = ("from kvaudit.audit.runner import AuditedRun\nfrom kvaudit.program import Abort, Step, Submit\n"
+            "from kvaudit.targets import registry\n"
+            f"with AuditedRun(registry.get('vllm').preset({preset!r}).config()) as run:\n"
+            f"    for op in [{ops}]:\n"
+            "        assert not run.apply(op)\n"
+            "    queue = run.target.manager.block_pool.free_block_queue.get_all_free_blocks()\n"
+            "    print(*[b.block_id for b in queue])\n")
+    orders = [subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT,
+                                                                 "PYTHONHASHSEED": seed},
+                             cwd=ROOT, capture_output=True, text=True, timeout=300) for seed in ("0", "1")]
+    assert all(r.returncode == 0 for r in orders), [r.stderr[-2000:] for r in orders]
+    assert orders[0].stdout == orders[1].stdout, [r.stdout for r in orders]

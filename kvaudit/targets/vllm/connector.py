@@ -50,6 +50,15 @@ def transfer_params(n: int, rid: str, prompt_len: int, block_size: int) -> dict 
     return None
 
 
+class ArrivalOrder(set):
+    """A set of request ids that iterates them sorted (``req-000012``: arrival order): what a worker stand-in
+    reports in ``finished_sending`` / ``finished_recving`` / ``failed_recving``. vLLM frees in their iteration
+    order (``Scheduler._update_from_kv_xfer_finished``); a plain set of str iterates in ``PYTHONHASHSEED``'s."""
+
+    def __iter__(self):
+        return iter(sorted(set.__iter__(self)))
+
+
 class StepClock:
     """A worker stand-in's clock: a transfer keyed ``key`` started at ``step`` is due at ``step + 1 + crc32(key) %
     latency_steps``; ``len``: the transfers in flight."""
@@ -499,6 +508,9 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         self._load_violations.extend(self._inflight_load_findings())
         loading = self._loads() if self._shadow is not None else {}
         output = self.worker.finished(self.steps, self.V.KVConnectorOutput)
+        for field in ("finished_sending", "finished_recving", "failed_recving"):
+            if getattr(output, field, None):
+                setattr(output, field, ArrivalOrder(getattr(output, field)))
         for rid in (output.finished_recving or ()) if output is not None else ():
             self._shadow_load(rid, loading.get(rid, np.zeros(0, dtype=np.int64)))
         return output

@@ -3,8 +3,11 @@ and ``KVCacheManager`` on CPU, releases 0.15.1 to 0.33.0 (the API changes betwee
 
 * :class:`VllmSchedulerTarget` calls the scheduler as vLLM's engine core does (``vllm/v1/engine/core.py``:
   ``EngineCore.step``, ``step_with_batch_queue``): ``add_request``; per step ``schedule()``, a synthetic
-  ``ModelRunnerOutput``, ``update_from_output()``; ``finish_requests(ids, FINISHED_ABORTED)`` for an abort;
-  ``reset_prefix_cache()`` for a flush. Every decision (admission, chunking, preemption, freeing) is vLLM's.
+  ``ModelRunnerOutput``, ``update_from_output()``; ``finish_requests(id, FINISHED_ABORTED)`` for an abort, one
+  call per request in arrival order (given several ids, 0.33.0's ``finish_requests`` frees them in the order of
+  ``set(request_ids)``, which follows ``PYTHONHASHSEED``: the free queue's order, so which blocks later steps get,
+  would differ between processes); ``reset_prefix_cache()`` for a flush. Every decision (admission, chunking,
+  preemption, freeing) is vLLM's.
 * :class:`VllmManagerTarget` drives the ``KVCacheManager`` alone, playing the scheduler's calls in its order
   (``get_computed_blocks``, ``allocate_slots``, ``free``; preempting the newest running request). Fast.
 
@@ -228,7 +231,8 @@ class VllmSchedulerTarget(_VllmBase):
         if isinstance(op, Submit):
             self._submit(op)
         elif isinstance(op, Abort) and s.requests:
-            s.finish_requests(self._abort(op.handle), self.V.RequestStatus.FINISHED_ABORTED)
+            for rid in self._abort(op.handle):  # NOTE: one id a call, in arrival order: see the module docstring
+                s.finish_requests(rid, self.V.RequestStatus.FINISHED_ABORTED)
         elif isinstance(op, FlushCache):
             self._flushes += bool(s.reset_prefix_cache(reset_running_requests=self.config.flush_running))
         elif isinstance(op, MemoryPressure):
