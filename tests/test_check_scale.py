@@ -45,8 +45,8 @@ def test_one_check_reads_the_live_requests_once(monkeypatch):
 def test_a_checks_own_readers_share_one_read_of_the_live_requests_at_any_size(monkeypatch):
     """Below OWNERS_ONCE_FROM (no shadow of the engine's method) the observer's readers in a check (the roots,
     the metrics, the lock holders) read the live requests once: a busy check reads them twice (that read and
-    the engine's own check_memory), a check at idle once (check_memory reads none there); a read after the
-    check is fresh."""
+    the engine's own check_memory), a check at idle not at all (check_memory reads none there, and the idle
+    roots, finding every structure empty, tell the others there is none); a read after the check is fresh."""
     calls = []
     real = Scheduler.requests_owning_rows
     monkeypatch.setattr(Scheduler, "requests_owning_rows", lambda self: (calls.append(1), real(self))[1])
@@ -60,8 +60,8 @@ def test_a_checks_own_readers_share_one_read_of_the_live_requests_at_any_size(mo
         assert target.is_idle()
         calls.clear()
         assert oracles.check(run.auditor, target, idle=True) == []
-        assert len(calls) == 1
-        assert target._owners() == [] and len(calls) == 2  # outside a check: read again
+        assert len(calls) == 0
+        assert target._owners() == [] and len(calls) == 1  # outside a check: read again
     finally:
         run.__exit__(None, None, None)
 
@@ -242,5 +242,19 @@ def test_the_tree_recount_and_the_idle_roots_lock_read_each_node_by_their_defini
             assert run.target.idle_roots().locked is True
         nodes[-1].lock_ref = 0
         assert run.target.idle_roots().locked is False
+    finally:
+        run.__exit__(None, None, None)
+
+
+def test_idle_roots_that_find_a_live_request_leave_the_checks_read_of_the_live_requests_to_the_engine():
+    """The idle roots tell the check's other readers that no request is live only when they found every
+    structure empty: with a request queued they give way to the full check, and the metrics still read it."""
+    run = _busy_run()
+    try:
+        target = run.target
+        with target.checking():
+            assert target.idle_roots() is None
+            live = target._owners()
+        assert [r.rid for r in live] == [r.rid for r in target.engine.requests_owning_rows()] and live
     finally:
         run.__exit__(None, None, None)

@@ -253,6 +253,8 @@ class EutObserver(Target):
         if (eng.session_controller is not None or eng.hicache_host_pool is not None or eng.last_batch is not None
                 or any(eng.live_request_groups())):
             return None
+        if self._in_check:  # (no request anywhere: the check's other readers of _owners() need not ask the engine)
+            self._owners_memo = []
         nodes = self._tree_nodes()
         values = list(filter(_HELD, map(_VALUE, nodes)))
         units = {"token_to_kv_pool": slot_pages(torch.cat(values), self.config.page_size)} if values else {}
