@@ -15,6 +15,7 @@ import engine_under_test.scheduler as scheduler
 from kvaudit import replay
 from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.program import Idle, Submit
+from kvaudit.search.schedule import search_run
 from kvaudit.targets.eut.presets import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,14 +33,12 @@ def _key(findings):
     return [(f.signature, f.op_index, f.step) for f in findings]
 
 
-def _sparse(config, program, check_every=16):
-    with AuditedRun(config, full_stacks=False, check_every=check_every, lean=True) as run:
-        for op in program:
-            if run.apply(op):
-                break
-        else:
+def _search(config, program) -> list:
+    """The program as a search runs it (``search_run``: lean, the sparse schedule): its findings."""
+    with search_run(config) as run:
+        if not any(run.apply(op) for op in program):  # (up to the first finding)
             run.finish()
-        return run
+        return run.findings
 
 
 @pytest.fixture
@@ -61,17 +60,17 @@ def swapped_decode_read(monkeypatch):
     monkeypatch.setattr(scheduler.Scheduler, "update_running_batch", swapping)
 
 
-def test_a_stale_decode_read_whose_reader_released_is_found_at_the_end_check(swapped_decode_read):
-    """The reader decodes a few steps more, finishes and releases its row before the program's end check, the
-    sparse run's only full check: the read is found at its step, and the run reports the per-step run's finding
-    (signature, op, step)."""
+def test_a_searchs_stale_decode_read_is_the_per_step_runs(swapped_decode_read):
+    """The reader decodes a few steps more, finishes and releases its row before the program's end check (the
+    search's run has no other full check here): the read is found at its step, and the search reports the
+    per-step run's finding (signature, op, step)."""
     config = get_preset("default").config(model="none")
     program = [Submit(prompt_len=4, max_new_tokens=6), Idle()]
     want = execute(config, program, full_stacks=False).findings
     assert [f.kind for f in want] == ["stale-kv"] and "written for another token prefix" in want[0].message
-    run = _sparse(config, program)
-    assert _key(run.findings) == _key(want)
-    assert "did not reproduce" not in run.findings[0].message
+    found = _search(config, program)
+    assert _key(found) == _key(want)
+    assert "did not reproduce" not in found[0].message
 
 
 def test_a_stale_decode_read_among_other_rows_is_found(swapped_decode_read):
@@ -91,4 +90,4 @@ def test_a_stale_decode_read_among_other_rows_is_found(swapped_decode_read):
 def test_the_zoos_stale_reads_are_found_by_a_lean_sparse_run(path):
     config, program, _, _ = replay.load(path)
     want = _key(execute(config, program, full_stacks=False).findings)
-    assert want and _key(_sparse(config, program).findings) == want
+    assert want and _key(_search(config, program)) == want
