@@ -108,10 +108,32 @@ class EutObserver(Target):
         def batch_wrapper(batch):
             """The common case (no HiSparse, KV on the CPU) checked a batch at a time: every row's
             reads before the forward, its writes after."""
-            if batch.forward_mode == "prebuilt":
+            mode = batch.forward_mode
+            if mode == "decode":
+                # NOTE: most rows of a run: one token each, its slot out_cache_loc's entry of the row (and a
+                # row marked to_finish computes nothing: None)
+                written = []
+                for req in batch.reqs:
+                    kv = req.kv
+                    start = kv.kv_committed_len - 1
+                    tags = request_tags(req, req.origin_input_ids, req.output_ids, req.future_ids)
+                    if req.to_finish is not None:
+                        written.append(None)
+                        continue
+                    if start:
+                        idx = rows[kv.req_pool_idx, :start]
+                        if main_tags.take(idx).tobytes() != tags[:start].tobytes():  # shadow.read's fast path
+                            check_read(req, main, idx, tags[:start])
+                    written.append(tags[start])
+                out = run_batch(batch)
+                for slot, tag in zip(batch.out_cache_loc.tolist(), written):
+                    if tag is not None:
+                        main_tags[slot] = tag
+                return out
+            if mode == "prebuilt":
                 return run_batch(batch)
             spans = []
-            extend = batch.forward_mode == "extend"
+            extend = mode == "extend"
             for req in batch.reqs:
                 prefill_row = extend and id(req) not in batch.decode_ids
                 if prefill_row:
