@@ -77,8 +77,7 @@ class EutObserver(Target):
         kv_pool = "hisparse_device" if hs is not None else main  # where the forward writes
         forward = eng._forward
         rows = table.numpy() if table.device.type == "cpu" else None  # a view: no copy per read
-        main_tags = shadow.tags[main]
-        run_batch, request_tags = eng.run_batch, shadow.request_tags
+        request_tags = shadow.request_tags
 
         def check_read(req, pool: str, idx: np.ndarray, want: np.ndarray, pos: np.ndarray | None = None) -> None:
             """``req`` reads slots ``idx`` for positions ``pos`` (default ``0..n-1``) with prefix tags ``want``."""
@@ -104,6 +103,20 @@ class EutObserver(Target):
             out = forward(req, start, end, write_loc)
             shadow.write(kv_pool, write_loc, tags[start:end])
             return out
+
+        if hs is None and rows is not None:
+            wrap(eng, "run_batch", self.install_shadow_batches(shadow, rows, check_read))
+        else:
+            wrap(eng, "_forward", forward_wrapper)
+        self._shadow_copies(shadow, wrap)
+
+    def install_shadow_batches(self, shadow, rows: np.ndarray, check_read):
+        """The ``run_batch`` wrapper of :meth:`install_shadow` where no HiSparse runs and the KV table is on the
+        CPU (``rows``: its ``[rows, context] int32`` numpy view); ``check_read(req, pool, idx, want)`` reports.
+        Named ``install_*`` so the audit takes the wrapper's frames for its own (``hooks._is_install_closure``):
+        a ledger event's sites, and so the corpora's digests, do not see it."""
+        main = "token_to_kv_pool"
+        main_tags, run_batch, request_tags = shadow.tags[main], self.engine.run_batch, shadow.request_tags
 
         def batch_wrapper(batch):
             """The common case (no HiSparse, KV on the CPU) checked a batch at a time: every row's
@@ -160,11 +173,7 @@ class EutObserver(Target):
                 off += end - start
             return out
 
-        if hs is None and rows is not None:
-            wrap(eng, "run_batch", batch_wrapper)
-        else:
-            wrap(eng, "_forward", forward_wrapper)
-        self._shadow_copies(shadow, wrap)
+        return batch_wrapper
 
     def _shadow_copies(self, shadow, wrap) -> None:
         """The KV that lands without a forward, for :meth:`install_shadow`: a PD transfer's
