@@ -956,6 +956,24 @@ def test_replay_update_goes_on_past_a_file_it_cannot_read_and_names_each(tmp_pat
     assert again.exit_code == 5 and again.stdout.strip().endswith(": unchanged"), again.output
 
 
+def test_replay_of_a_clean_run_s_json_says_nothing_recorded_and_exits_5(tmp_path):
+    """tr69: the --json of a fuzz, campaign or ci run that found nothing new (a config, no program, no finding)
+    replayed 0 ops and exited 0, clean, having checked nothing (`--update`: "unchanged", 0). It is nothing recorded
+    now, exit 5, as the --json of a run interrupted at start-up; the file is left as it was. (minimize keeps its own
+    2, "records no program": tests/test_campaign.py.)"""
+    doc = {"format": FORMAT, "config": {"preset": "default"}, "program": [], "findings": [], "fuzzer": "random-96",
+           "seed": 1, "executions": 38, "ops": 2210, "seconds": 2.0, "suppressed": {}}
+    path = _write(tmp_path, "clean.json", json.dumps(doc))
+    for args in ([], ["--check-determinism"], ["--update"]):
+        result = invoke("replay", *args, path)
+        assert result.exit_code == 5, (args, result.output)
+        assert one_error_line(result) == (f"kvaudit: error: {path}: nothing recorded: no program and no finding to "
+                                          "replay (the --json of a run that found nothing new; a finding's replay "
+                                          "file is what replays)")
+        assert result.stdout == ""
+    assert json.loads(open(path).read()) == doc
+
+
 @pytest.mark.parametrize("errno_name", ["EACCES", "ENOSPC"])
 def test_replay_update_past_a_file_it_cannot_write(tmp_path, monkeypatch, errno_name):
     """tx66: `replay --update a b c` where a cannot be rewritten (its directory read-only to the user) stopped
