@@ -490,11 +490,13 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
     start, 130 when interrupted (Ctrl-C or SIGTERM; the reports are written)."""
     from kvaudit.app import ci as job
 
-    budget = Budget.for_command(max_time, click.get_current_context().find_root().obj)
+    ctx = click.get_current_context()
+    budget = Budget.for_command(max_time, ctx.find_root().obj)
     return job.run(budget=budget, presets_value=presets_value, fuzzer=fuzzer, seed=seed,
                    regressions_dir=regressions_dir, corpus_dir=corpus_dir, out_dir=out_dir,
                    suppress_file=suppress_file, outputs=outputs, target=target, db=db_url,
-                   campaign_name=campaign_name, step_timeout=step_timeout)
+                   campaign_name=campaign_name, step_timeout=step_timeout,
+                   out_given=ctx.get_parameter_source("out_dir") is not click.core.ParameterSource.DEFAULT)
 
 
 # where `kvaudit bench` writes unless told: the current directory, never a checkout's committed docs/

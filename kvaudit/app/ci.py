@@ -33,10 +33,13 @@ from kvaudit.targets import registry
 
 def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
         corpus_dir: str | None, out_dir: str, suppress_file: str | None, outputs: Outputs, target: str = "eut",
-        db: str | None = None, campaign_name: str = "default", step_timeout: float | None = None) -> int:
+        db: str | None = None, campaign_name: str = "default", step_timeout: float | None = None,
+        out_given: bool = True) -> int:
     """``kvaudit ci``; returns the exit code. ``budget.seconds``: search time in all, split evenly over
     the presets; ``step_timeout``: ``--step-timeout`` (None: the regressions keep the default, the search takes
-    ``fuzz``'s for a preset's share). Raises :class:`InputError` for a bad option (before any engine is imported)."""
+    ``fuzz``'s for a preset's share); ``out_given``: ``--out`` was given (not its default, which ``--max-time 0``
+    never writes in, so need not be writable). Raises :class:`InputError` for a bad option (before any engine is
+    imported)."""
     # (a test patches some of them)
     from kvaudit.app.configs import (check_fuzzer, note_campaign_keeps_nothing, require_target,
                                      warn_campaign_without_db)
@@ -53,8 +56,12 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         raise InputError(f"--regressions {regressions_dir or '(none for this target)'}: no replay file "
                          "(*.json) in it, and --max-time 0 fuzzes nothing: the job would check nothing")
     per_preset = budget.seconds / len(preset_names) if budget.seconds > 0 else 0.0
-    if per_preset > 0:  # (--max-time 0 replays the regressions only: no directory is made or written)
+    if per_preset > 0:
         _prepare_fuzz(out_dir, corpus_dir, fuzzer)
+    else:  # NOTE: --max-time 0 makes and writes no directory, but refuses one named that a budget's run refuses
+        for flag, path in (("out", out_dir if out_given else None), ("corpus", corpus_dir)):
+            if path is not None:
+                check_dir(path, flag)
     console, err = make_console(), make_console(stderr=True)
     result = ci.CiResult(presets=preset_names if per_preset > 0 else [], files=files)
     catch_sigint()
