@@ -107,22 +107,23 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     if sset is not None:  # the presets' campaigns matched; the job's set is the file's
         sset.add_usage(usage for run in result.fuzz for usage in run.suppression_usage)
         print_suppressions(console, sset, not_run=None if ran else _why_nothing_ran(result, per_preset))
-    failed = _write_outputs(outputs, result, kind, preset_names[0], sset if ran else None, err, per_preset > 0)
-    _print_verdict(console, result, sset)
+    known = _known(result, sset)  # (the SUMMARY line's count, and the --json's list)
+    failed = _write_outputs(outputs, result, kind, preset_names[0], sset if ran else None, err, per_preset > 0, known)
+    _print_verdict(console, result, sset, known)
     if failed is not None:  # after the job's lines: a report not written does not hide its verdict
         raise failed
     return _exit_code(result, err, per_preset)
 
 
-def _print_verdict(console, result, sset) -> None:
-    """The job's ``SUMMARY:`` line, over its new findings (the sections above have none of their own), then its
-    verdict line; a job that searched nothing in some preset (exit 5) says so in both, as ``fuzz`` does."""
+def _print_verdict(console, result, sset, known: list[str]) -> None:
+    """The job's ``SUMMARY:`` line, over its new findings (the sections above have none of their own) and its
+    ``known`` signatures, then its verdict line; a job that searched nothing in some preset (exit 5) says so in
+    both, as ``fuzz`` does."""
     unwritten = {sig: path for run in result.fuzz for sig, path in run.unwritten.items()}
     idle = [] if result.failed or result.interrupted else result.nothing_searched
     where = f"in {len(idle)} of {len(result.fuzz)} preset(s) ({', '.join(idle)})"
     runs = [findings for run in result.fuzz for _, findings, _ in run.new]
-    console.print(new_findings_line(runs, suppressed_by_kind(sset), result.interrupted, unwritten,
-                                    len(_known(result, sset)))
+    console.print(new_findings_line(runs, suppressed_by_kind(sset), result.interrupted, unwritten, len(known))
                   if not idle else
                   NOTHING_SEARCHED_SUMMARY if len(idle) == len(result.fuzz) else
                   f"SUMMARY: kvaudit: nothing searched {where}: its share ended before the first program ran; "
@@ -233,9 +234,10 @@ def _known(result, sset) -> list[str]:
     return sorted(known - unwritten - (sset.suppressed_signatures() if sset is not None else set()))
 
 
-def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err, fuzzed: bool):
+def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err, fuzzed: bool, known: list[str]):
     """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones): each it can;
-    ``fuzzed``: the job searched (not --max-time 0), so they give its executions, the presets' sum, as ``fuzz``'s.
+    ``fuzzed``: the job searched (not --max-time 0), so they give its executions, the presets' sum, as ``fuzz``'s;
+    ``known``: the job's known signatures (:func:`_known`), the JSON's.
     Returns the error for the first not written, a fuzz campaign's on a full disk first (naming every file
     kept and every other not written), or None."""
     kept = [path for run in result.fuzz for _, _, path in run.new if path not in run.unwritten.values()]
@@ -273,7 +275,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
                      **({"interrupted": True} if result.interrupted else {}),  # (the HTML's verdict says so)
                      **({"executions": sum(run.executions for run in result.fuzz)} if fuzzed else {}),
                      **({"nothing_searched": idle} if idle else {}),  # (exit 5: the presets that ran no program)
-                     **({"known": known} if (known := _known(result, sset)) else {}),  # (its SUMMARY line's count)
+                     **({"known": known} if known else {}),  # (its SUMMARY line's count)
                      **({"reached": reached} if (reached := ci.reached_by_preset(result)) else {})}
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                                    extra, suppressions=sset, ran=ran), err,
