@@ -56,12 +56,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         raise InputError(f"--regressions {regressions_dir or '(none for this target)'}: no replay file "
                          "(*.json) in it, and --max-time 0 fuzzes nothing: the job would check nothing")
     per_preset = budget.seconds / len(preset_names) if budget.seconds > 0 else 0.0
-    if per_preset > 0:
-        _prepare_fuzz(out_dir, corpus_dir, fuzzer)
-    else:  # NOTE: --max-time 0 makes and writes no directory, but refuses one named that a budget's run refuses
-        for flag, path in (("out", out_dir if out_given else None), ("corpus", corpus_dir)):
-            if path is not None:
-                check_dir(path, flag)
+    _prepare_dirs(out_dir, corpus_dir, fuzzer, per_preset > 0, out_given)
     console, err = make_console(), make_console(stderr=True)
     result = ci.CiResult(presets=preset_names if per_preset > 0 else [], files=files)
     catch_sigint()
@@ -154,6 +149,17 @@ def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
     if what is not None:  # (the one given: the CLI's callback said so first, before any engine was imported)
         raise InputError(f"--regressions {regressions_dir}: {what}")
     return regressions_dir
+
+
+def _prepare_dirs(out_dir: str, corpus_dir: str | None, fuzzer: str, fuzz: bool, out_given: bool) -> None:
+    """A job that fuzzes: :func:`_prepare_fuzz`. One that does not (``--max-time 0``) makes and writes no directory,
+    but refuses an ``--out`` (``out_given``: not its default) or ``--corpus`` that the job with a budget refuses."""
+    if fuzz:
+        _prepare_fuzz(out_dir, corpus_dir, fuzzer)
+        return
+    for flag, path in (("out", out_dir if out_given else None), ("corpus", corpus_dir)):
+        if path is not None:
+            check_dir(path, flag)
 
 
 def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
