@@ -512,6 +512,7 @@ class VllmObserver:
             return
         over = ((counts > refs) & (refs > 0))[1:].nonzero()[0] + 1  # (the null block left out)
         if over.size:
+            self._settle_tables()  # (where each table's request sat, as lost_by reads it)
             lost = np.array(self._dropped_with(over, counts, refs), dtype=object)
             for where in sorted(set(lost.tolist())):  # one finding per place a table was dropped from, then the rest
                 mine = over[lost == where]
@@ -541,7 +542,8 @@ class VllmObserver:
         place then, as the core names an owner dropped since the previous check: its blocks may all have been
         taken by another request since, a prefix hit). Either way the table went whole with its references, as
         the leak oracle's ``from:`` leak of a block only it held (a table released through the pool dropped
-        them; a reference taken outside any table is none's)."""
+        them; a reference taken outside any table is none's). The caller settles the tables first
+        (:meth:`_settle_tables`)."""
         tables = self.block_tables
         if tables is None or self._auditor is None:
             return [""] * over.size
@@ -551,7 +553,6 @@ class VllmObserver:
         for c in fresh.tolist():
             if tables[c] is not None and id(tables[c]) not in held:
                 took.setdefault(id(tables[c]), []).append(c)
-        self._settle_tables()  # (where each table's request sat, as lost_by reads it)
         dropped = []
         for cs in took.values():
             if all(counts[c] > refs[c] for c in cs):
