@@ -21,7 +21,7 @@ from kvaudit.app.configs import (FuzzerChoice, TargetChoice, bugs_renderables, c
                                  presets_table, replay_tree_core_option, select_config)
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvaudit.app.files import check_outputs, folder_problem, out_folder_problem
-from kvaudit.app.interrupts import end_startup_interrupt, restoring_sigint
+from kvaudit.app.interrupts import BENCH_OUT, end_startup_interrupt, restoring_sigint
 from kvaudit.config import json_value
 from kvaudit.constants import (CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, WATCHDOG_IDLE_POLL,
                                check_seconds, check_step_timeout)
@@ -490,15 +490,13 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
     start, 130 when interrupted (Ctrl-C or SIGTERM; the reports are written)."""
     from kvaudit.app import ci as job
 
-    budget = Budget.for_command(max_time, click.get_current_context().find_root().obj)
+    ctx = click.get_current_context()
+    budget = Budget.for_command(max_time, ctx.find_root().obj)
     return job.run(budget=budget, presets_value=presets_value, fuzzer=fuzzer, seed=seed,
                    regressions_dir=regressions_dir, corpus_dir=corpus_dir, out_dir=out_dir,
                    suppress_file=suppress_file, outputs=outputs, target=target, db=db_url,
-                   campaign_name=campaign_name, step_timeout=step_timeout)
-
-
-# where `kvaudit bench` writes unless told: the current directory, never a checkout's committed docs/
-BENCH_OUT = {"zoo": ("benchmarks.md", "benchmarks.json"), "history": ("benchmarks-history.md", "benchmarks-history.json")}
+                   campaign_name=campaign_name, step_timeout=step_timeout,
+                   out_given=ctx.get_parameter_source("out_dir") is not click.core.ParameterSource.DEFAULT)
 
 
 @main.command("bench")

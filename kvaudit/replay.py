@@ -15,6 +15,7 @@ from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit.targets.registry import TargetUnavailable, UnknownTargetError, kind_of
 from kvaudit.audit.findings import Finding, source_path
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
+from kvaudit.program.ops import FORMAT as PROGRAM_FORMAT
 
 FORMAT = "kvaudit.replay/1"
 REPORT_FORMAT = "kvaudit.report/1"  # several replay files in one report (a campaign)
@@ -260,9 +261,29 @@ def _parse_replay(doc, path: str) -> tuple[TargetConfig, list[Op], list[Finding]
         if isinstance(got, str) and got.startswith("kvaudit.replay/"):  # a newer kvaudit's file, say
             raise ReplayFormatError(f"{path}: replay format {json_value(got)} is not supported by this kvaudit "
                                     f"(it reads {json_value(FORMAT)})")
+        if got in _OTHER_FILES:  # (another kvaudit file: said what it is, in place of what it is not)
+            what, use = _OTHER_FILES[got]
+            up = [".."] if got == PROGRAM_FORMAT else []  # (C/programs/x.json: C/findings)
+            findings = os.path.normpath(os.path.join(os.path.dirname(path), *up, "findings"))
+            raise ReplayFormatError(f"{path} is {what}, not a replay file: {use.format(findings=findings)}")
         hint = " (a report of several cases: use 'kvaudit report')" if got == REPORT_FORMAT else ""
         raise ReplayFormatError(f"{path} is not a kvaudit replay file (want \"format\": \"{FORMAT}\"){hint}")
     return _parse(doc, path)
+
+
+# the other files kvaudit writes, by "format": (what one is, what to use instead; {findings}: the campaign's
+# folder of replay files beside it); written by kvaudit.search.bench, history.suite, search.campaign, corpus_fuzz
+_OTHER_FILES = {
+    "kvaudit.bench/1": ("a kvaudit bench report", "it holds trial statistics, no program or finding; its Markdown "
+                                                  "(bench --out, benchmarks.md by default) is the one to read"),
+    "kvaudit.bench-history/1": ("a kvaudit bench --suite history report",
+                                "it holds trial statistics, no replay file; its Markdown (bench --out, "
+                                "benchmarks-history.md by default) is the one to read"),
+    "kvaudit.campaign/1": ("a campaign's run record",
+                           "the campaign's findings are the replay files in {findings}"),
+    PROGRAM_FORMAT: ("a campaign's corpus program (ops only: no config, no finding)",
+                     "the campaign's findings are the replay files in {findings}"),
+}
 
 
 def load_cases(path: str) -> tuple[TargetConfig, list[tuple[TargetConfig, list[Op], list[Finding], dict]], dict]:

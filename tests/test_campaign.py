@@ -274,6 +274,24 @@ def test_ci_refuses_a_corpus_it_cannot_write_in_before_it_searches(tmp_path):
     assert r.exit_code == 2 and "passed" not in r.output and "fuzz default" not in r.output, r.output
     assert one_error_line(r).startswith("kvaudit: error: --corpus /sys/fs: cannot write in /sys/fs"), r.output
 
+def test_ci_with_max_time_0_refuses_an_out_or_corpus_it_cannot_write_in_but_not_its_default_out(tmp_path,
+                                                                                                 monkeypatch):
+    """tr69: `ci --max-time 0` took an --out or --corpus it could not write in (exit 0), which the same job with a
+    budget refuses (exit 2): a nightly's flags passed the quick run and failed the real one. Refused alike now;
+    the default --out, never written without a budget, may be unwritable (a read-only checkout)."""
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    shutil.copy(os.path.join(REGRESSIONS, "overlap-abort-double-free.json"), regs)
+    for flag in ("--out", "--corpus"):
+        r = invoke("ci", "--max-time", "0", "--regressions", str(regs), flag, "/sys/fs/kvaudit-x")
+        assert r.exit_code == 2 and "passed" not in r.output, r.output
+        line = one_error_line(r)
+        assert line.startswith(f"kvaudit: error: {flag} /sys/fs/kvaudit-x: cannot write in /sys/fs"), line
+    monkeypatch.chdir("/sys/fs")
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regs))
+    assert r.exit_code == 0 and "passed: 1/1 regressions ok" in r.stdout, r.output
+
+
 def test_a_signature_another_process_sharing_the_corpus_wrote_meanwhile_is_known(tmp_path, monkeypatch):
     """tester 61b: of two `fuzz --corpus DIR` sharing DIR, the slower confirmed and minimized the signatures the
     other wrote meanwhile, then said '0 new, 0 known signature(s)' and recorded neither."""

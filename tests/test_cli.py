@@ -351,6 +351,35 @@ def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, wh
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("command", ["report", "replay", "export"])
+def test_another_kvaudit_file_given_as_a_replay_file_is_named_for_what_it_is(tmp_path, command):
+    """tr69: a bench report, a campaign's campaign.json or a corpus program was "not a kvaudit replay file (want
+    "format": "kvaudit.replay/1")", not saying what it is, nor where the findings are. Named now, one line, exit 2.
+    (The bench files are the committed ones `kvaudit bench` wrote; the campaign's formats are its writers'.)"""
+    from kvaudit.program import FORMAT as PROGRAM_FORMAT
+    from kvaudit.search.campaign import CAMPAIGN_FORMAT
+
+    (tmp_path / "C" / "programs").mkdir(parents=True)
+    record, program = tmp_path / "C" / "campaign.json", tmp_path / "C" / "programs" / "0c1b.json"
+    record.write_text(json.dumps({"format": CAMPAIGN_FORMAT, "runs": []}))
+    program.write_text(json.dumps({"format": PROGRAM_FORMAT, "program": [{"op": "idle"}]}))
+    findings = tmp_path / "C" / "findings"
+    for path, said in (
+            (os.path.join(ROOT, "docs", "benchmarks.json"),
+             "is a kvaudit bench report, not a replay file: it holds trial statistics, no program or finding; its "
+             "Markdown (bench --out, benchmarks.md by default) is the one to read"),
+            (os.path.join(ROOT, "docs", "benchmarks-history.json"),
+             "is a kvaudit bench --suite history report, not a replay file: it holds trial statistics, no replay "
+             "file; its Markdown (bench --out, benchmarks-history.md by default) is the one to read"),
+            (str(record), f"is a campaign's run record, not a replay file: the campaign's findings are the replay "
+                          f"files in {findings}"),
+            (str(program), "is a campaign's corpus program (ops only: no config, no finding), not a replay file: the "
+                           f"campaign's findings are the replay files in {findings}")):
+        result = invoke(command, path, *(["--issue", str(tmp_path / "i.md")] if command == "export" else []))
+        assert result.exit_code == 2, result.output
+        assert one_error_line(result) == f"kvaudit: error: {path} {said}"
+
+
 def test_a_replay_file_saved_with_a_byte_order_mark_or_crlf_line_ends_reads_as_written(tmp_path):
     """tg63: a replay file saved by a Windows editor (UTF-8 with a BOM, CRLF) was refused, ``is not JSON:
     Unexpected UTF-8 BOM (decode using utf-8-sig)``: the text is the same file's; JSON allows a reader to skip
@@ -954,6 +983,24 @@ def test_replay_update_goes_on_past_a_file_it_cannot_read_and_names_each(tmp_pat
     assert broken.read_text() == "{not json"
     again = invoke("replay", "--update", str(cut), str(a))
     assert again.exit_code == 5 and again.stdout.strip().endswith(": unchanged"), again.output
+
+
+def test_replay_of_a_clean_run_s_json_says_nothing_recorded_and_exits_5(tmp_path):
+    """tr69: the --json of a fuzz, campaign or ci run that found nothing new (a config, no program, no finding)
+    replayed 0 ops and exited 0, clean, having checked nothing (`--update`: "unchanged", 0). It is nothing recorded
+    now, exit 5, as the --json of a run interrupted at start-up; the file is left as it was. (minimize keeps its own
+    2, "records no program": tests/test_campaign.py.)"""
+    doc = {"format": FORMAT, "config": {"preset": "default"}, "program": [], "findings": [], "fuzzer": "random-96",
+           "seed": 1, "executions": 38, "ops": 2210, "seconds": 2.0, "suppressed": {}}
+    path = _write(tmp_path, "clean.json", json.dumps(doc))
+    for args in ([], ["--check-determinism"], ["--update"]):
+        result = invoke("replay", *args, path)
+        assert result.exit_code == 5, (args, result.output)
+        assert one_error_line(result) == (f"kvaudit: error: {path}: nothing recorded: no program and no finding to "
+                                          "replay (the --json of a run that found nothing new; a finding's replay "
+                                          "file is what replays)")
+        assert result.stdout == ""
+    assert json.loads(open(path).read()) == doc
 
 
 @pytest.mark.parametrize("errno_name", ["EACCES", "ENOSPC"])

@@ -921,6 +921,50 @@ def test_ci_interrupted_during_its_imports_writes_its_junit_and_sarif(tmp_path, 
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc to see the guard installed")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_kvaudit_bench_interrupted_during_its_imports_writes_a_report_saying_no_trial_ran(tmp_path, sig):
+    """tr69: a signal in `kvaudit bench`'s start-up (before its `kvaudit bench:` line) wrote no report, only
+    `kvaudit: interrupted` (130), though later ones write the trials that finished. Its report says no trial ran."""
+    md, raw = tmp_path / "b.md", tmp_path / "b.json"
+    returncode, out, err = interrupted_at_start_up(["bench", "--trials", "1", "--bugs", BUG, "--out", str(md),
+                                                    "--json", str(raw)], sig)
+    assert returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-2:] == [f"reports written, each saying nothing was checked (interrupted "
+                                             f"during start-up): {md}, {raw}", "kvaudit: interrupted"], err
+    assert out == "" and "kvaudit bench:" not in err
+    doc = json.loads(raw.read_text())
+    assert doc["format"] == "kvaudit.bench/1" and doc["interrupted"] is True and doc["trials"] == [], doc
+    assert "INTERRUPTED during start-up" in md.read_text() and "Raw data: `b.json`" in md.read_text()
+
+
+@pytest.mark.parametrize("suite", ["zoo", "history"])
+def test_kvaudit_bench_interrupted_before_its_job_began_writes_its_default_report_but_not_for_list(
+        tmp_path, monkeypatch, suite):
+    """tr69: the same between the command line and the benchmark (the default --fuzzers looked up): the
+    suite's report, where bench writes it unless told (the current directory); `--list` writes none."""
+    import kvaudit.app.bench as job
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "default_fuzzers", interrupted)
+    monkeypatch.chdir(tmp_path)
+    r = invoke("bench", "--suite", suite)
+    assert r.exit_code == 130 and r.stdout == "", r.output
+    md, raw = ("benchmarks.md", "benchmarks.json") if suite == "zoo" else ("benchmarks-history.md",
+                                                                           "benchmarks-history.json")
+    assert sorted(os.listdir(tmp_path)) == sorted([md, raw]), r.output
+    doc = json.loads((tmp_path / raw).read_text())
+    assert doc["format"] == f"kvaudit.{'bench' if suite == 'zoo' else 'bench-history'}/1" and doc["interrupted"]
+    for name in (md, raw):
+        os.unlink(name)
+    monkeypatch.setattr(job, "list_zoo", interrupted)
+    monkeypatch.setattr(job, "run_history", interrupted)
+    r = invoke("bench", "--suite", suite, "--list")
+    assert r.exit_code == 130 and os.listdir(tmp_path) == [], r.output
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc to see the guard installed")
 def test_a_campaign_interrupted_during_its_imports_writes_its_json_sarif_and_junit(tmp_path):
     """Ctrl-C in the first seconds of `fuzz --workers 2` (the entry point importing the engine; under load
     4-5 s) exited 130 with 'kvaudit: interrupted' and wrote none of the reports asked for (tester, stop 55;
@@ -1067,7 +1111,9 @@ def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
     assert ci_report_paths(["ci", "--junit", "a.xml", "--out", "--sarif", "--sarif=b.sarif"]) == \
         {"junit": "a.xml", "sarif": "b.sarif"}  # --out's value is '--sarif'; the last --sarif wins
     assert ci_report_paths(["ci", "--", "--junit", "a.xml"]) == {}
-    assert ci_report_paths(["bench", "--json", "a.json"]) == ci_report_paths(["ci", "--help", "--junit", "a"]) == {}
+    assert ci_report_paths(["ci", "--help", "--junit", "a"]) == {}
+    assert ci_report_paths(["bench", "--json", "a.json"]) == {"out": "benchmarks.md", "json": "a.json"}  # (tr69)
+    assert ci_report_paths(["bench", "--json", "a.json", "--list"]) == {}
     assert ci_report_paths(["ci", "--json", "a.json"]) == {"json": "a.json"}
     assert ci_report_paths(["ci", "--html", "a.html"]) == {"html": "a.html"}
     # fuzz's flags take no value: the report after one is still read

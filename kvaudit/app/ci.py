@@ -33,10 +33,13 @@ from kvaudit.targets import registry
 
 def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
         corpus_dir: str | None, out_dir: str, suppress_file: str | None, outputs: Outputs, target: str = "eut",
-        db: str | None = None, campaign_name: str = "default", step_timeout: float | None = None) -> int:
+        db: str | None = None, campaign_name: str = "default", step_timeout: float | None = None,
+        out_given: bool = True) -> int:
     """``kvaudit ci``; returns the exit code. ``budget.seconds``: search time in all, split evenly over
     the presets; ``step_timeout``: ``--step-timeout`` (None: the regressions keep the default, the search takes
-    ``fuzz``'s for a preset's share). Raises :class:`InputError` for a bad option (before any engine is imported)."""
+    ``fuzz``'s for a preset's share); ``out_given``: ``--out`` was given (not its default, which ``--max-time 0``
+    never writes in, so need not be writable). Raises :class:`InputError` for a bad option (before any engine is
+    imported)."""
     # (a test patches some of them)
     from kvaudit.app.configs import (check_fuzzer, note_campaign_keeps_nothing, require_target,
                                      warn_campaign_without_db)
@@ -53,8 +56,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         raise InputError(f"--regressions {regressions_dir or '(none for this target)'}: no replay file "
                          "(*.json) in it, and --max-time 0 fuzzes nothing: the job would check nothing")
     per_preset = budget.seconds / len(preset_names) if budget.seconds > 0 else 0.0
-    if per_preset > 0:  # (--max-time 0 replays the regressions only: no directory is made or written)
-        _prepare_fuzz(out_dir, corpus_dir, fuzzer)
+    _prepare_dirs(out_dir, corpus_dir, fuzzer, per_preset > 0, out_given)
     console, err = make_console(), make_console(stderr=True)
     result = ci.CiResult(presets=preset_names if per_preset > 0 else [], files=files)
     catch_sigint()
@@ -100,22 +102,23 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     if sset is not None:  # the presets' campaigns matched; the job's set is the file's
         sset.add_usage(usage for run in result.fuzz for usage in run.suppression_usage)
         print_suppressions(console, sset, not_run=None if ran else _why_nothing_ran(result, per_preset))
-    failed = _write_outputs(outputs, result, kind, preset_names[0], sset if ran else None, err, per_preset > 0)
-    _print_verdict(console, result, sset)
+    known = _known(result, sset)  # (the SUMMARY line's count, and the --json's list)
+    failed = _write_outputs(outputs, result, kind, preset_names[0], sset if ran else None, err, per_preset > 0, known)
+    _print_verdict(console, result, sset, known)
     if failed is not None:  # after the job's lines: a report not written does not hide its verdict
         raise failed
     return _exit_code(result, err, per_preset)
 
 
-def _print_verdict(console, result, sset) -> None:
-    """The job's ``SUMMARY:`` line, over its new findings (the sections above have none of their own), then its
-    verdict line; a job that searched nothing in some preset (exit 5) says so in both, as ``fuzz`` does."""
+def _print_verdict(console, result, sset, known: list[str]) -> None:
+    """The job's ``SUMMARY:`` line, over its new findings (the sections above have none of their own) and its
+    ``known`` signatures, then its verdict line; a job that searched nothing in some preset (exit 5) says so in
+    both, as ``fuzz`` does."""
     unwritten = {sig: path for run in result.fuzz for sig, path in run.unwritten.items()}
     idle = [] if result.failed or result.interrupted else result.nothing_searched
     where = f"in {len(idle)} of {len(result.fuzz)} preset(s) ({', '.join(idle)})"
     runs = [findings for run in result.fuzz for _, findings, _ in run.new]
-    console.print(new_findings_line(runs, suppressed_by_kind(sset), result.interrupted, unwritten,
-                                    len(_known(result, sset)))
+    console.print(new_findings_line(runs, suppressed_by_kind(sset), result.interrupted, unwritten, len(known))
                   if not idle else
                   NOTHING_SEARCHED_SUMMARY if len(idle) == len(result.fuzz) else
                   f"SUMMARY: kvaudit: nothing searched {where}: its share ended before the first program ran; "
@@ -146,6 +149,17 @@ def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
     if what is not None:  # (the one given: the CLI's callback said so first, before any engine was imported)
         raise InputError(f"--regressions {regressions_dir}: {what}")
     return regressions_dir
+
+
+def _prepare_dirs(out_dir: str, corpus_dir: str | None, fuzzer: str, fuzz: bool, out_given: bool) -> None:
+    """A job that fuzzes: :func:`_prepare_fuzz`. One that does not (``--max-time 0``) makes and writes no directory,
+    but refuses an ``--out`` (``out_given``: not its default) or ``--corpus`` that the job with a budget refuses."""
+    if fuzz:
+        _prepare_fuzz(out_dir, corpus_dir, fuzzer)
+        return
+    for flag, path in (("out", out_dir if out_given else None), ("corpus", corpus_dir)):
+        if path is not None:
+            check_dir(path, flag)
 
 
 def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
@@ -226,9 +240,10 @@ def _known(result, sset) -> list[str]:
     return sorted(known - unwritten - (sset.suppressed_signatures() if sset is not None else set()))
 
 
-def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err, fuzzed: bool):
+def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err, fuzzed: bool, known: list[str]):
     """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones): each it can;
-    ``fuzzed``: the job searched (not --max-time 0), so they give its executions, the presets' sum, as ``fuzz``'s.
+    ``fuzzed``: the job searched (not --max-time 0), so they give its executions, the presets' sum, as ``fuzz``'s;
+    ``known``: the job's known signatures (:func:`_known`), the JSON's.
     Returns the error for the first not written, a fuzz campaign's on a full disk first (naming every file
     kept and every other not written), or None."""
     kept = [path for run in result.fuzz for _, _, path in run.new if path not in run.unwritten.values()]
@@ -266,7 +281,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
                      **({"interrupted": True} if result.interrupted else {}),  # (the HTML's verdict says so)
                      **({"executions": sum(run.executions for run in result.fuzz)} if fuzzed else {}),
                      **({"nothing_searched": idle} if idle else {}),  # (exit 5: the presets that ran no program)
-                     **({"known": known} if (known := _known(result, sset)) else {}),  # (its SUMMARY line's count)
+                     **({"known": known} if known else {}),  # (its SUMMARY line's count)
                      **({"reached": reached} if (reached := ci.reached_by_preset(result)) else {})}
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                                    extra, suppressions=sset, ran=ran), err,

@@ -95,8 +95,12 @@ def catch_sigint() -> None:
         quiet_unraisable()
 
 
-# the reports each command writes when interrupted during start-up
-_STARTUP_REPORTS = {"ci": ("--junit", "--sarif", "--json", "--html"), "fuzz": ("--junit", "--sarif", "--json", "--html")}
+# the reports each command writes when interrupted during start-up (bench's: :func:`_bench_paths`)
+_STARTUP_REPORTS = {"ci": ("--junit", "--sarif", "--json", "--html"), "fuzz": ("--junit", "--sarif", "--json", "--html"),
+                    "bench": ("--out", "--json")}
+# bench's Markdown and raw data per --suite unless --out and --json name others: in the current directory, never a
+# checkout's committed docs/
+BENCH_OUT = {"zoo": ("benchmarks.md", "benchmarks.json"), "history": ("benchmarks-history.md", "benchmarks-history.json")}
 # the options that take no value (click's flags) of each command the entry point starts the engine for (entry.HEAVY)
 _FLAGS = {"fuzz": ("--seeds", "--no-seeds", "--paranoid"), "ci": (), "replay": ("--check-determinism", "--update",
           "--paranoid"), "minimize": (), "bench": ("--list",), "report": ()}
@@ -116,8 +120,8 @@ def _startup_options(argv: list[str]) -> dict[str, str] | None:
 def _options(argv: list[str]) -> dict[str, str] | None:
     """``{"--out": VALUE, ...}``: the long options ``argv`` (no program name) gives a command of :data:`_FLAGS`,
     read as click reads them (every option but the command's flags takes a value, a short one's either joined to
-    it or the next argument; the last one given wins); None for ``--help`` or ``-h`` (where an option is read:
-    ``--out --help`` names a directory) or another command."""
+    it or the next argument; the last one given wins), each flag given as ``""``; None for ``--help`` or ``-h``
+    (where an option is read: ``--out --help`` names a directory) or another command."""
     if not argv or argv[0] not in _FLAGS:
         return None
     flags = _FLAGS[argv[0]]
@@ -130,6 +134,8 @@ def _options(argv: list[str]) -> dict[str, str] | None:
             return None
         if len(arg) == 2 and arg[0] == "-" and arg not in flags:  # (-o OUT: minimize's)
             next(rest, None)
+        if arg in flags:  # (given: bench's --list writes no report)
+            values[arg] = ""
         if not arg.startswith("--") or arg in flags:
             continue
         name, eq, value = arg.partition("=")
@@ -149,10 +155,38 @@ def asks_help(argv: list[str]) -> bool:
 
 def startup_report_paths(argv: list[str]) -> dict[str, str]:
     """``{"junit": PATH, "sarif": PATH, "json": PATH, "html": PATH}`` that ``argv`` (no program name) asks
-    ``kvaudit ci`` or ``kvaudit fuzz`` for, read as click reads it (every other option takes a value); empty for
-    another command."""
+    ``kvaudit ci`` or ``kvaudit fuzz`` for, read as click reads it (every other option takes a value); ``kvaudit
+    bench``'s ``{"out": MD, "json": RAW}`` (:func:`_bench_paths`); empty for another command."""
     values = _startup_options(argv) or {}
+    if argv and argv[0] == "bench":
+        return _bench_paths(values)
     return {name[2:]: value for name, value in values.items() if name in _STARTUP_REPORTS[argv[0]]}
+
+
+def _bench_paths(values: dict[str, str]) -> dict[str, str]:
+    """``{"out": MD, "json": RAW}`` of a ``kvaudit bench`` run (``values``: its options): --out and --json, else the
+    suite's defaults; empty for ``--list`` (no report) or a suite click refuses."""
+    suite = values.get("--suite", "zoo")
+    if "--list" in values or suite not in BENCH_OUT:
+        return {}
+    return {"out": values.get("--out", BENCH_OUT[suite][0]), "json": values.get("--json", BENCH_OUT[suite][1])}
+
+
+def _bench_texts(argv: list[str], paths: dict[str, str]) -> dict:
+    """``kvaudit bench``'s report (``paths``: :func:`_bench_paths`) of a run stopped before its first trial: the
+    raw data as the suite writes it, with no trial, ``"interrupted": true``; a Markdown that says so."""
+    import json
+    import os
+
+    history = (_startup_options(argv) or {}).get("--suite") == "history"
+    rows = {"failures": [], "releases": [], "trials": []} if history else {
+        "trials": [], "false_positives": [], "overhead": []}
+    doc = {"format": "kvaudit.bench-history/1" if history else "kvaudit.bench/1", "settings": {}, "wall_seconds": 0.0,
+           "interrupted": True, **rows, "note": "interrupted (Ctrl-C or SIGTERM) during start-up: no trial ran"}
+    title = "# kvaudit bench --suite history" if history else "# kvaudit bench"
+    return {"json": lambda: json.dumps(doc, indent=2) + "\n",
+            "out": lambda: (f"{title}\n\nINTERRUPTED during start-up (Ctrl-C or SIGTERM): no trial ran, nothing was "
+                            f"measured. Raw data: `{os.path.basename(paths.get('json', ''))}`.\n")}
 
 
 def startup_summary(argv: list[str]) -> list[str]:
@@ -160,7 +194,7 @@ def startup_summary(argv: list[str]) -> list[str]:
     stdout with: its ``SUMMARY:`` line (a campaign's and ci's over new findings), and ci's verdict line after it;
     none for another command."""
     values = _startup_options(argv)
-    if values is None:
+    if values is None or argv[0] == "bench":
         return []
     if argv[0] == "ci":
         return [_NO_NEW_FINDINGS, _CI_VERDICT]
@@ -202,7 +236,8 @@ def _startup_json(command: str) -> str:
 
 def write_startup_reports(argv: list[str]) -> list[str]:
     """``kvaudit ci`` or ``fuzz`` interrupted before its job began: write the ``--junit``, ``--sarif``, ``--json``
-    and ``--html`` that ``argv`` asks for, each saying nothing was checked; a path the job would refuse,
+    and ``--html`` that ``argv`` asks for, each saying nothing was checked (``bench``: its Markdown and raw data,
+    which it writes unless told, saying no trial ran); a path the job would refuse,
     or that cannot be written, is skipped. Returns the paths written, named on stderr in one ``reports written``
     line, as a run's, that says what they hold. Standard library only: half-imported modules are not touched."""
     import json
@@ -214,10 +249,11 @@ def write_startup_reports(argv: list[str]) -> list[str]:
     paths = startup_report_paths(argv)
     if len({os.path.realpath(p) for p in paths.values() if p}) < len(paths):
         return []  # the job refuses two flags naming one file
-    texts = {"junit": lambda: ci_outputs.interrupted_junit(argv[0]),
-             "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n",
-             "json": lambda: _startup_json(argv[0]),
-             "html": ci_outputs.interrupted_html}
+    texts = _bench_texts(argv, paths) if argv[0] == "bench" else {
+        "junit": lambda: ci_outputs.interrupted_junit(argv[0]),
+        "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n",
+        "json": lambda: _startup_json(argv[0]),
+        "html": ci_outputs.interrupted_html}
     written = []
     with _restored_handlers():
         ignore_interrupts()

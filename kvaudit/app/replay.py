@@ -11,7 +11,7 @@ from rich.text import Text
 from kvaudit import atomic, replay
 from kvaudit.app.configs import check_device, require_target, with_tree_core
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, DiskFull,
-                                InputError, unreadable, write_error)
+                                InputError, NothingChecked, unreadable, write_error)
 from kvaudit.app.files import check_outputs, load_suppressions, write_reports
 from kvaudit.app.progress import OpProgress, console as make_console
 from kvaudit.audit.runner import execute
@@ -41,6 +41,18 @@ def load_replay(file: str, suppress_file: str | None, tree_core: str | None = No
     return config, program, recorded, sset, search_facts(doc)
 
 
+def load_replayable(file: str, suppress_file: str | None, tree_core: str | None = None):
+    """:func:`load_replay` of a file with something to replay. Raises :class:`NothingChecked` (exit 5, as the
+    ``--json`` of a run interrupted at start-up) for a file that records no program and no finding: a clean run's
+    ``--json`` (its replay ran 0 ops and said clean, exit 0), before the target is probed."""
+    config, program, recorded, sset, found_by = load_replay(file, suppress_file, tree_core, probe=False)
+    if not program and not recorded:
+        raise NothingChecked(f"{file}: nothing recorded: no program and no finding to replay (the --json of a run "
+                             "that found nothing new; a finding's replay file is what replays)")
+    require_target(config, recorded_in=file)
+    return config, program, recorded, sset, found_by
+
+
 def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism: bool, runs: int,
         tree_core: str | None, update: bool, outputs: Outputs) -> int:
     """``kvaudit replay FILE...``; returns the exit code."""
@@ -53,7 +65,7 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
         raise InputError(f"one FILE at a time ({len(files)} given); several only with --update")
     file = files[0]
     check_outputs((file, suppress_file), **vars(outputs))
-    config, program, recorded, sset, found_by = load_replay(file, suppress_file, tree_core)
+    config, program, recorded, sset, found_by = load_replayable(file, suppress_file, tree_core)
     err = make_console(stderr=True)
     with OpProgress(err, f"replaying {shown_path(file)}", len(program)) as progress:
         ex = execute(config, program, suppressions=sset, drain=True, on_op=progress)
@@ -98,7 +110,7 @@ def update_replays(files: tuple[str, ...]) -> int:
     lost, refused, written = 0, None, []
     for file in files:
         try:
-            config, program, recorded, *_ = load_replay(file, None)
+            config, program, recorded, *_ = load_replayable(file, None)
         except click.ClickException as e:  # (2 malformed, 5 nothing recorded, 69 a plugin's kind not loaded)
             click.echo(f"kvaudit: error: {e.format_message()}", err=True)
             refused = refused or e

@@ -77,6 +77,12 @@ def status_names(statuses) -> dict:
     return {s: s.name.lower() for s in statuses}
 
 
+def _dropped_from(where: str) -> str:
+    """What a block table dropped whole says of its blocks (``lost_by``'s words): ``from:<where>``, the place its
+    request sat (:meth:`VllmObserver._settle_tables`), or ``table:lost`` when none is known (``where`` empty)."""
+    return f"from:{where}" if where else "table:lost"
+
+
 def block_ids(blocks) -> list[int]:
     """Ids of ``blocks`` (vLLM ``KVCacheBlock``), the null block left out (vLLM never counts it). (Read in C: the
     ledger's wrappers and the table records call it on every block a call takes or frees.)"""
@@ -223,7 +229,7 @@ class VllmObserver:
         out = []
         for b, ok in zip(u.tolist(), fresh.tolist()):
             table = tables[b] if ok else None
-            where = f"from:{self.block_where[b]}" if self.block_where[b] else "table:lost"
+            where = _dropped_from(self.block_where[b])
             out.append("" if table is None else where if b in block_ids(table) else "table:cut")
         if any(x and x != "table:cut" for x in out):
             dropped = self._dropped_with(u, self._ref_counts(), self._holders(self.known())[1])
@@ -506,6 +512,7 @@ class VllmObserver:
             return
         over = ((counts > refs) & (refs > 0))[1:].nonzero()[0] + 1  # (the null block left out)
         if over.size:
+            self._settle_tables()  # (where each table's request sat, as lost_by reads it)
             lost = np.array(self._dropped_with(over, counts, refs), dtype=object)
             for where in sorted(set(lost.tolist())):  # one finding per place a table was dropped from, then the rest
                 mine = over[lost == where]
@@ -535,7 +542,8 @@ class VllmObserver:
         place then, as the core names an owner dropped since the previous check: its blocks may all have been
         taken by another request since, a prefix hit). Either way the table went whole with its references, as
         the leak oracle's ``from:`` leak of a block only it held (a table released through the pool dropped
-        them; a reference taken outside any table is none's)."""
+        them; a reference taken outside any table is none's). The caller settles the tables first
+        (:meth:`_settle_tables`)."""
         tables = self.block_tables
         if tables is None or self._auditor is None:
             return [""] * over.size
@@ -545,17 +553,15 @@ class VllmObserver:
         for c in fresh.tolist():
             if tables[c] is not None and id(tables[c]) not in held:
                 took.setdefault(id(tables[c]), []).append(c)
-        self._settle_tables()  # (where each table's request sat, as lost_by reads it)
         dropped = []
         for cs in took.values():
             if all(counts[c] > refs[c] for c in cs):
-                where = self.block_where[cs[0]]
-                dropped.append((set(block_ids(tables[cs[0]])), f"from:{where}" if where else "table:lost"))
+                dropped.append((set(block_ids(tables[cs[0]])), _dropped_from(self.block_where[cs[0]])))
         gone: dict[str, tuple[str, list]] = {}  # a holder the look before saw, no request now: (where, its blocks)
         for owner, where, ids in self._looks[2]:
             if owner.startswith("req:") and owner[4:] not in self.requests:
                 gone.setdefault(owner, (where, []))[1].extend(ids.tolist())
-        dropped += [(set(ids), f"from:{where}" if where else "table:lost") for where, ids in gone.values()
+        dropped += [(set(ids), _dropped_from(where)) for where, ids in gone.values()
                     if all(counts[c] > refs[c] for c in ids)]
         return [next((w for ids, w in dropped if b in ids), "") for b in over.tolist()]
 
