@@ -393,8 +393,10 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
 @_suppress_option
 @click.option("--check-determinism", is_flag=True,
-              help="Run the replay --runs times and compare the ledger digests (every alloc, free and lock "
-                   "event) and findings; exit 3 if any run differs.")
+              help="Run the replay --runs times and compare the ledger digests (each pool's allocs and frees "
+                   "in order, and the lock events) and findings: the second run in this process, the third and "
+                   "later each in a fresh process under its own PYTHONHASHSEED (1, 2, ...); exit 3 if any run "
+                   "differs.")
 @click.option("--runs", type=click.IntRange(min=2, max=1000), default=CONFIRM_RUNS, show_default=True,
               help="Runs for --check-determinism.")
 @replay_tree_core_option

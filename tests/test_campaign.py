@@ -7,6 +7,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -935,6 +936,45 @@ def test_check_determinism_catches_a_nondeterministic_engine(monkeypatch):
     assert result.exit_code == 3 and "NOT deterministic" in result.stdout
     # off a terminal the verdict is one line whatever COLUMNS says (tester 60a: folded at 20 columns)
     assert "NOT deterministic: the runs differ\n" in result.stdout, result.stdout[-300:]
+
+
+def _hash_prefix(seed: int) -> str:
+    """``hash('kvaudit')`` under ``PYTHONHASHSEED=seed``, as the digest's prefix below shows it."""
+    return subprocess.run([sys.executable, "-c", "print(format(hash('kvaudit') & 0xffffffff, '08x'))"],
+                          env={**os.environ, "PYTHONHASHSEED": str(seed)}, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_check_determinism_runs_the_third_run_in_a_fresh_process_under_another_hash_seed(tmp_path):
+    """--check-determinism ran every run in its own process, so under one hash seed: an outcome that follows
+    PYTHONHASHSEED (a set of str iterated, td68's vLLM aborts) passed. A digest made to follow the hash of a
+    str (a sitecustomize the fresh processes import too) now differs in run 3, run under PYTHONHASHSEED=1."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import kvaudit.audit.hooks as h\n\nreal = h.Auditor.digest\n"
+        "h.Auditor.digest = lambda self: format(hash('kvaudit') & 0xffffffff, '08x') + real(self)\n")
+    env = {**os.environ, "PYTHONHASHSEED": "7",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
+    file = os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json")
+    r = subprocess.run([sys.executable, "-m", "kvaudit", "replay", file, "--check-determinism", "--runs", "3"], env=env,
+                       capture_output=True, text=True, timeout=900)
+    rows = r.stdout.split("determinism: 3 runs:\n", 1)[-1].splitlines()[1:4]
+    assert [row.split()[:2] for row in rows] == [["1", f"{_hash_prefix(7)}{rows[0].split()[1][8:]}"],
+                                                ["2", rows[0].split()[1]], ["3", "(PYTHONHASHSEED=1)"]], r.stdout
+    assert rows[2].split()[2] == _hash_prefix(1) + rows[0].split()[1][8:]  # the same ledger, another seed
+    assert r.returncode == 3 and "NOT deterministic: the runs differ" in r.stdout, r.stderr[-2000:]
+
+
+def test_the_fresh_process_run_keeps_the_suppressions(tmp_path):
+    """Run 3 runs in a fresh process: the --suppress rules go with it (as data), so it too runs past the
+    suppressed leak to the program's end (3 scheduler steps, not 1) and agrees with runs 1 and 2."""
+    rules = tmp_path / "s.toml"
+    rules.write_text('[[suppress]]\nkind = "leak"\nreason = "known"\n')
+    result = invoke("replay", os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), "--check-determinism",
+                    "--suppress", str(rules))
+    rows = result.stdout.split("determinism: 3 runs:\n", 1)[-1].splitlines()[1:4]
+    assert rows[2].split()[1].startswith("(PYTHONHASHSEED="), result.output
+    assert [row.split()[-2:] for row in rows] == [["3", "none"]] * 3  # (unsuppressed, the leak stops it at step 1)
+    assert result.exit_code == 0 and "deterministic: 3 identical runs" in result.stdout, result.output
 
 
 def test_minimize_shrinks_a_padded_program_and_keeps_the_signature(tmp_path):

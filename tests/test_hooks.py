@@ -384,3 +384,36 @@ wraps). The hooks' caller is the site."""
         auditor.full_stacks = full
         site = auditor.site(_driver_frees(_Driver().install_pool(auditor)))
         assert site and site[0].function == "_driver_frees", [s.function for s in site]
+
+
+# -- the ledger digest ------------------------------------------------------------------------------
+
+def _take_row(rows):
+    return rows.alloc(1)
+
+
+def _take_slots(allocator):
+    return allocator.alloc(2)
+
+
+def _digest_of(make_audited, rows_first: bool, frees=(0, 1), step=1):
+    target, auditor = make_audited("default", page_size=1)
+    rows, kv = target.engine.req_to_token_pool, target.engine.token_to_kv_pool_allocator
+    auditor.op_index, auditor.step = 0, 1
+    takes = [lambda: _take_row(rows), lambda: _take_slots(kv)]
+    for take in takes if rows_first else takes[::-1]:
+        take()
+    a, b = _take_slots(kv), _take_slots(kv)
+    auditor.step = step
+    for i in frees:
+        _first_free(kv, (a, b)[i])
+    return auditor.digest()
+
+
+def test_the_digest_keeps_each_pools_order_but_not_the_interleaving_of_pools_within_one_step(make_audited):
+    """SGLang 0.5.23's rust tree core frees an eviction's FULL and SWA parts in an order that changes from run to
+    run; the digest means "the same allocs and frees per pool, in the same order, at the same op and step"."""
+    same = _digest_of(make_audited, rows_first=True)
+    assert _digest_of(make_audited, rows_first=False) == same  # a row and slots in one step, either order
+    assert _digest_of(make_audited, rows_first=True, frees=(1, 0)) != same  # one pool's frees in another order
+    assert _digest_of(make_audited, rows_first=True, step=2) != same  # at another step

@@ -143,6 +143,21 @@ def test_sglangs_idle_mamba_check_fails_on_a_lost_slot():
         run.close()
 
 
+def test_one_programs_ledger_digest_is_the_same_in_every_run_on_the_rust_tree_core():
+    """As on SWA (test_sglang_swa.py): the rust tree core frees an eviction's FULL and MAMBA parts in the
+    order of a map that changes from run to run; the digest keeps each pool's order, not their interleaving."""
+    ops = [Submit(family=i % 4, prompt_len=30 + i, max_new_tokens=30) for i in range(8)] + [Idle()]
+    digests = []
+    for _ in range(3):
+        findings, run = run_ops(cfg("sglang-mamba-small"), ops)
+        try:
+            assert findings == [] and run.target.reach()["mamba_tree_evictions"] > 0
+            digests.append(run.auditor.digest())
+        finally:
+            run.close()
+    assert len(set(digests)) == 1, digests
+
+
 # -- the planted fault ------------------------------------------------------------------------------
 def test_random_programs_find_the_planted_mamba_leak():
     ex = first_finding_within(cfg(bugs=frozenset({"mamba-leak-on-release"})), programs=40)

@@ -114,6 +114,24 @@ def test_the_tree_evicts_swa_under_pressure_and_the_small_preset_retracts():
         run.close()
 
 
+def test_one_programs_ledger_digest_is_the_same_in_every_run_on_the_rust_tree_core():
+    """SGLang 0.5.23's rust tree core hands an eviction's frees over as a map the binding fills
+    (``rust_tree_core/adapter.py``, ``_fill_evict_result``), whose order changes from run to run, and
+    ``UnifiedRadixCache._drain_device_frees`` frees the FULL and SWA parts in that order: each pool's frees
+    are the same, their interleaving is not. Four runs in one process gave four digests, and ``replay
+    --check-determinism`` of a clean program said "NOT deterministic"."""
+    ops = [Submit(family=i % 4, prompt_len=30 + i, max_new_tokens=30) for i in range(8)] + [Idle()]
+    digests = []
+    for _ in range(4):
+        findings, run = run_ops(cfg(), ops)
+        try:
+            assert findings == [] and run.target.reach()["swa_tree_evicted"] > 0  # both pools' frees, one call
+            digests.append(run.auditor.digest())
+        finally:
+            run.close()
+    assert len(set(digests)) == 1, digests
+
+
 # -- the fault --------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_fuzz_finds_and_minimizes_the_skipped_window_free(tmp_path):

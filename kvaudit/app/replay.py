@@ -3,6 +3,11 @@ or re-record files in place (``--update``)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import click
 from rich.console import Console
 from rich.table import Table
@@ -14,7 +19,8 @@ from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC
                                 InputError, NothingChecked, unreadable, write_error)
 from kvaudit.app.files import check_outputs, load_suppressions, write_reports
 from kvaudit.app.progress import OpProgress, console as make_console
-from kvaudit.audit.runner import execute
+from kvaudit.audit.runner import execute, set_step_timeout, step_timeout
+from kvaudit.audit.suppress import Suppression, SuppressionSet
 from kvaudit.config import shown_path
 from kvaudit.reports import timeline
 from kvaudit.reports.outputs import Outputs, ReportData, search_facts
@@ -137,25 +143,85 @@ def update_replays(files: tuple[str, ...]) -> int:
 
 
 def _check_determinism(console: Console, config, program, sset, first, runs: int) -> bool:
-    """Run ``program`` ``runs - 1`` more times beside ``first``, a row each; True if any run differs."""
-    execs = [first]
+    """Run ``program`` ``runs - 1`` more times beside ``first``, a row each; True if any run differs. The second
+    run is in this process (an order that changes from run to run); the third and later each in a fresh process
+    under its own ``PYTHONHASHSEED`` (an order that follows the hash of a str: :func:`_hash_seeds`)."""
+    rows = [_outcome(first)]
+    seeds = _hash_seeds(runs - 2)
     for i in range(2, runs + 1):
         with OpProgress(make_console(stderr=True), f"determinism run {i}/{runs}", len(program)) as progress:
-            execs.append(execute(config, program, suppressions=sset.fresh() if sset is not None else None,
-                                 on_op=progress))
-
-    def key(ex):
-        return ex.digest, [(f.signature, f.slots, f.step) for f in ex.findings], ex.steps
-
+            if i == 2:
+                rows.append(_outcome(execute(config, program, suppressions=sset.fresh() if sset is not None else None,
+                                             on_op=progress)))
+            else:
+                rows.append(_run_under_hash_seed(config, program, sset, seeds[i - 3]))
     t = Table(title=f"determinism: {runs} runs", title_justify="left")
     for col in ("run", "ledger digest", "scheduler steps", "signatures"):
         t.add_column(col, overflow="fold")
-    for i, ex in enumerate(execs):
-        same = key(ex) == key(execs[0])
-        t.add_row(str(i + 1), ex.digest[:16], str(ex.steps), ", ".join(ex.signatures) or "none",
-                  style="" if same else "bold red")
+    for i, row in enumerate(rows):
+        where = f" (PYTHONHASHSEED={seeds[i - 2]})" if i >= 2 else ""
+        t.add_row(f"{i + 1}{where}", row["digest"][:16], str(row["steps"]), ", ".join(row["signatures"]) or "none",
+                  style="" if _key(row) == _key(rows[0]) else "bold red")
     print_table(console, t, header=True)
-    differ = any(key(ex) != key(execs[0]) for ex in execs)
+    differ = any(_key(row) != _key(rows[0]) for row in rows)
     console.print(Text("NOT deterministic: the runs differ" if differ else f"deterministic: {runs} identical runs",
                        style="bold red" if differ else "green"), soft_wrap=True)  # (never folded: grep reads it)
     return differ
+
+
+def _outcome(ex) -> dict:
+    """What a determinism run compares (the ledger digest, each finding's signature, slots and step, the
+    scheduler steps) and shows, as plain data: a fresh process's run hands it back as JSON."""
+    findings = [[f.signature, [int(u) for u in f.slots], int(f.step)] for f in ex.findings]
+    return {"digest": ex.digest, "findings": findings, "steps": ex.steps, "signatures": list(ex.signatures)}
+
+
+def _key(row: dict) -> tuple:
+    return row["digest"], row["findings"], row["steps"]
+
+
+def _hash_seeds(n: int) -> list[int]:
+    """``n`` hash seeds for fresh processes: 1, 2, ..., leaving out this process's own (``PYTHONHASHSEED``)."""
+    own = os.environ.get("PYTHONHASHSEED")
+    return [s for s in range(1, n + 2) if str(s) != own][:n]
+
+
+_RULE_FIELDS = ("kind", "pool", "site", "signature", "reason", "index")  # a Suppression's rule, not its hits
+
+
+def _run_under_hash_seed(config, program, sset, seed: int) -> dict:
+    """One run of ``program`` in a fresh Python process under ``PYTHONHASHSEED=seed`` (its own session, so a
+    terminal's Ctrl-C reaches this process alone, which kills it), the same step limit, environment
+    (``KVAUDIT_PARANOID``, ``KVAUDIT_PLUGINS``) and suppression rules (``sset``, passed as data: a ``--suppress``
+    pipe reads once); its :func:`_outcome`. Raises RuntimeError naming its last line of stderr if it fails."""
+    with atomic.scratch_dir("kvaudit-determinism-") as d:
+        job, out = os.path.join(d, "job.json"), os.path.join(d, "out.json")
+        rules = None if sset is None else [{k: getattr(s, k) for k in _RULE_FIELDS} for s in sset]
+        replay.write_atomic(job, replay.to_doc(config, program, [], suppress=rules, step_timeout=step_timeout()))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (kvaudit's parent)
+        env = {**os.environ, "PYTHONHASHSEED": str(seed),  # (kvaudit last on the path: an overlay stays first)
+               "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)}
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; from kvaudit.app.replay import run_one; "
+                                 "run_one(sys.argv[1], sys.argv[2])", job, out], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _, err = proc.communicate()
+        finally:
+            if proc.returncode is None:  # (interrupted: the run is stopped with this process)
+                proc.kill()
+                proc.wait()
+        if proc.returncode != 0 or not os.path.exists(out):
+            last = next((line for line in reversed(err.splitlines()) if line.strip()), "no output")
+            raise RuntimeError(f"the determinism run under PYTHONHASHSEED={seed} failed (exit {proc.returncode}): "
+                               f"{last}")
+        with open(out) as fh:
+            return json.load(fh)
+
+
+def run_one(job: str, out: str) -> None:
+    """A fresh process's determinism run (:func:`_run_under_hash_seed`): the program of the replay document
+    ``job`` under its suppressions and step limit; :func:`_outcome` written to ``out``."""
+    config, program, _, doc = replay.load(job)
+    set_step_timeout(doc["step_timeout"])
+    sset = None if doc["suppress"] is None else SuppressionSet([Suppression(**r) for r in doc["suppress"]])
+    atomic.write_text_atomic(out, json.dumps(_outcome(execute(config, program, suppressions=sset))))

@@ -12,6 +12,7 @@ import inspect
 import linecache
 import os
 import sys
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -337,10 +338,14 @@ class Auditor(Ledger, PoolWrappers):
 
     def digest(self) -> str:
         """SHA-256 of the ledger so far (allocs, frees and lock events; what it hashes:
-        docs/internals/audit.md): equal for two runs of one program on a deterministic engine."""
+        docs/internals/audit.md): equal for two runs of one program on a deterministic engine, one whose
+        allocs and frees are the same per pool, in the same order, at the same op and step."""
         h = hashlib.sha256()
         codes = Auditor._codes
-        for ev in self.events:
+        # NOTE: pool by pool (a stable sort), so one engine call's frees of several pools may interleave in any
+        # order: SGLang 0.5.23's rust tree core frees an eviction's FULL and SWA (or Mamba) parts in the order
+        # of a Rust map that changes from run to run (rust_tree_core/adapter.py, _fill_evict_result)
+        for ev in sorted(self.events, key=attrgetter("pool")):
             frames = self._site_frames[ev.site][0] if ev.site >= 0 else ()
             code = codes[frames[0][0]] if frames else None  # the line counted from the function's first:
             where = f"{code.co_name}:{frames[0][1] - code.co_firstlineno}" if frames else "?"  # moving code keeps it
