@@ -717,6 +717,20 @@ def test_a_skipped_free_whose_blocks_a_later_request_all_took_reads_from_where_i
     assert found == [f"leak/{POOL}/{site}/from:running"], found
 
 
+@pytest.mark.parametrize("preset, program", [("vllm", [Submit(0, 48, 1), Submit(0, 49, 2), Step(1)]),
+                                             ("vllm-manager", [Submit(0, 4, 1), Submit(0, 5, 2), Step(1)])])
+def test_a_skipped_free_of_a_one_step_request_whose_every_block_another_took_reads_from_running(preset, program):
+    """skip-free of a request admitted and finished within one step whose every block another request took in
+    that step (a prefix hit on its whole prompt): no block's latest table is the dropped one (the hit's ``touch``
+    displaced it) and no look saw it hold anything, so the reference-count leak read .../check:ref_cnt beside the
+    bug's from:running (docs/signatures.md, tv68's "what is left": 2 of 5 vllm campaigns, 5 of 5 at manager
+    level). The observer keeps each table it placed since the look before: the dropped one, whose every block
+    still carries a reference no holder accounts for, names it."""
+    found = execute(cfg(preset, bugs=frozenset({"skip-free"})), program).signatures
+    site = "step@target.py" if preset == "vllm-manager" else "schedule@scheduler.py"
+    assert found == [f"leak/{POOL}/{site}/from:running"], found
+
+
 def test_a_skipped_free_whose_prefix_a_preempted_request_shared_is_not_named_by_the_preemption():
     """skip-free of req 1 whose prefix req 3 took last (a prefix hit), then req 3 preempted in the same step
     (the pool is full of req 1's kept blocks): the prefix's only reference left is req 1's dropped table's, but
