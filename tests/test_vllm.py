@@ -22,7 +22,7 @@ from fault_helpers import fuzz_fault
 from kvaudit import replay
 from kvaudit.audit import oracles
 from kvaudit.audit.runner import AuditedRun, execute
-from kvaudit.program import Abort, Step, Submit, random_program
+from kvaudit.program import Abort, Idle, Step, Submit, random_program
 from kvaudit.targets import program_features, registry
 from kvaudit.targets.vllm import boot
 from kvaudit.targets.vllm.config import FAULTS, VLLM_PRESETS
@@ -717,6 +717,20 @@ def test_a_skipped_free_whose_blocks_a_later_request_all_took_reads_from_where_i
     assert found == [f"leak/{POOL}/{site}/from:running"], found
 
 
+@pytest.mark.parametrize("preset, program", [("vllm", [Submit(0, 48, 1), Submit(0, 49, 2), Step(1)]),
+                                             ("vllm-manager", [Submit(0, 4, 1), Submit(0, 5, 2), Step(1)])])
+def test_a_skipped_free_of_a_one_step_request_whose_every_block_another_took_reads_from_running(preset, program):
+    """skip-free of a request admitted and finished within one step whose every block another request took in
+    that step (a prefix hit on its whole prompt): no block's latest table is the dropped one (the hit's ``touch``
+    displaced it) and no look saw it hold anything, so the reference-count leak read .../check:ref_cnt beside the
+    bug's from:running (docs/signatures.md, tv68's "what is left": 2 of 5 vllm campaigns, 5 of 5 at manager
+    level). The observer keeps each table it placed since the look before: the dropped one, whose every block
+    still carries a reference no holder accounts for, names it."""
+    found = execute(cfg(preset, bugs=frozenset({"skip-free"})), program).signatures
+    site = "step@target.py" if preset == "vllm-manager" else "schedule@scheduler.py"
+    assert found == [f"leak/{POOL}/{site}/from:running"], found
+
+
 def test_a_skipped_free_whose_prefix_a_preempted_request_shared_is_not_named_by_the_preemption():
     """skip-free of req 1 whose prefix req 3 took last (a prefix hit), then req 3 preempted in the same step
     (the pool is full of req 1's kept blocks): the prefix's only reference left is req 1's dropped table's, but
@@ -731,6 +745,18 @@ def test_a_skipped_free_whose_prefix_a_preempted_request_shared_is_not_named_by_
     # and taken again: its table, not the dropped one's, is the block's latest, and the manager level placed it
     # at the leak, after its preemption (seed 1 after the lost_by fix); the driver now places it as it preempts
     program = [Submit(0, 42, 4), Submit(1, 11, 5), Submit(2, 24, 4), Submit(0, 4, 3), Step(4)]
+    found = execute(cfg("vllm-manager", bugs=frozenset({"skip-free"})), program).signatures
+    assert found == [f"leak/{POOL}/step@target.py/from:running"], found
+
+
+def test_a_skipped_free_of_a_block_a_preempted_request_held_at_the_check_is_not_named_by_the_preemption():
+    """skip-free of req 1, whose last decode block req 5 held at the previous check: req 5 was preempted for it
+    and admitted again in the same step (a root once more), so the earlier-allocation rule took req 5 as the
+    owner of req 1's new allocation and named req 5's preemption (.../_preempt@target.py beside .../from:running:
+    `kvaudit fuzz --target vllm --preset vllm-manager --bug skip-free --seed 4 --corpus DIR`, tv68). The new
+    allocation's frames name req 1: req 5 did not take it, so its release is not where the block was lost."""
+    program = [Submit(0, 1, 5), Step(1), Submit(0, 7, 4), Step(1), Submit(0, 4, 3), Submit(0, 13, 3, extends=0),
+               Submit(1, 45, 3), Idle()]
     found = execute(cfg("vllm-manager", bugs=frozenset({"skip-free"})), program).signatures
     assert found == [f"leak/{POOL}/step@target.py/from:running"], found
 

@@ -78,13 +78,17 @@ def _earlier_owner(auditor: Auditor, pool: str, units: np.ndarray, prev_owner: d
                    roots: dict[str, list]) -> np.ndarray:
     # each unit's owner at the previous check (0: none), but 0 for a unit allocated again since whose owner
     # then is no root of this check: it let go of the unit (aborted, finished), so the new allocation that
-    # leaked is another owner's (its release is not where this one was lost)
+    # leaked is another owner's (its release is not where this one was lost); 0 too when the new allocation's
+    # frames name another owner (a preempted request admitted again: a root, yet not the one that took it)
     had = prev_owner[pool][units].copy()
-    again = (auditor.ledgers[pool].last_alloc[units] >= auditor.checked_upto) & (had > 0)
+    last = auditor.ledgers[pool].last_alloc
+    again = (last[units] >= auditor.checked_upto) & (had > 0)
     if again.any():
         alive = {r.owner for rs in roots.values() for r in rs}
-        names = auditor.owner_names
-        had[again] = [o if names[o] in alive else 0 for o in had[again].tolist()]
+        names, events = auditor.owner_names, auditor.events
+        took = [auditor.site_owner(events[a].site) for a in last[units[again]].tolist()]
+        had[again] = [o if names[o] in alive and who in (None, names[o]) else 0
+                      for o, who in zip(had[again].tolist(), took)]
     return had
 
 def _by_owner(pool: str, units: np.ndarray, owners: np.ndarray, frees: list, prev_owner: dict[str, np.ndarray],

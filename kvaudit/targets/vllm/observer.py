@@ -111,7 +111,10 @@ class VllmObserver:
         self._auditor = None
         self.block_tables: list | None = None  # per block, its latest table (_wrap_tables; None: unaudited)
         self._reads = ReadOnce()  # the holders, free queue and counts one check reads twice otherwise
-        self._unsettled: list[tuple[str, list[int]]] = []  # (request id, blocks) recorded since the last settle
+        self._unsettled: list[tuple[str, list, list[int]]] = []  # (request id, table, blocks) since the last settle
+        # (table, where its request sat) of each settled record since the look before the latest (_dropped_with)
+        self._placed: list[tuple[list, str]] = []
+        self._placed_cut = 0  # where the latest look's records begin in _placed
         self._looks: tuple = ((), [], [])  # (mark, holders) of the latest roots() look, and the holders before it
         # the scheduler's call in update_from_output; the events still go on
         after_call(self.manager, "take_events", lambda events, *_, **__: self._replay_events(events, self.event_map))
@@ -192,7 +195,7 @@ class VllmObserver:
                         for b in ids:
                             tables_of[b] = table
                         at_of[ids] = len(events)
-                        unsettled.append((rid, ids))
+                        unsettled.append((rid, table, ids))
                         break
                     f = f.f_back
                 return out
@@ -202,11 +205,16 @@ class VllmObserver:
     def _settle_tables(self) -> None:
         """Where (a request's status, lower case) each request that took blocks since the last call sits now,
         for those blocks: called by the target's step right after ``schedule()`` (when a request took blocks),
-        the queue a check would have seen it in (``running``; a load in flight: ``waiting_for_remote_kvs``)."""
+        the queue a check would have seen it in (``running``; a load in flight: ``waiting_for_remote_kvs``). Each
+        table goes into ``_placed`` with that place, even one a later ``touch`` displaced as its blocks' latest
+        (:meth:`_dropped_with`)."""
         where, requests, block_where = status_names(self.V.RequestStatus), self.requests, self.block_where
-        for rid, ids in self._unsettled:
+        placed = self._placed
+        for rid, table, ids in self._unsettled:
             request = requests.get(rid)
-            block_where[ids] = "" if request is None else where[request.status]
+            place = "" if request is None else where[request.status]
+            block_where[ids] = place
+            placed.append((table, place))
         self._unsettled.clear()
 
     def lost_by(self, pool: str, units) -> list[str] | None:
@@ -436,8 +444,10 @@ class VllmObserver:
         holders, refs = self._holders(self.known())
         mark = self._mark()
         self._reads.keep("refs", mark, refs)
-        if mark != self._looks[0]:  # (kept for _dropped_with: who held what at the look before)
+        if mark != self._looks[0]:  # (kept for _dropped_with: who held what at the look before, what took since)
             self._looks = (mark, holders, self._looks[1])
+            del self._placed[:self._placed_cut]
+            self._placed_cut = len(self._placed)
         out = []
         for owner, where, units in holders:
             shared = refs[units] > 1
@@ -540,7 +550,10 @@ class VllmObserver:
         allocation) each still carry a reference no holder accounts for; else a request the look before this
         one (:meth:`roots`) saw hold the block, gone since, each of whose blocks then still carries one (its
         place then, as the core names an owner dropped since the previous check: its blocks may all have been
-        taken by another request since, a prefix hit). Either way the table went whole with its references, as
+        taken by another request since, a prefix hit); else a table settled since that look (``_placed``), no
+        request holds it and each of its blocks still carries one (its place after the call that gave it blocks:
+        a request admitted and finished between two looks whose every block another request took by a prefix
+        hit, so none of them names it as its latest table). Either way the table went whole with its references, as
         the leak oracle's ``from:`` leak of a block only it held (a table released through the pool dropped
         them; a reference taken outside any table is none's). The caller settles the tables first
         (:meth:`_settle_tables`)."""
@@ -563,6 +576,13 @@ class VllmObserver:
                 gone.setdefault(owner, (where, []))[1].extend(ids.tolist())
         dropped += [(set(ids), _dropped_from(where)) for where, ids in gone.values()
                     if all(counts[c] > refs[c] for c in ids)]
+        named = set()  # a table recorded since the look before, none of its blocks' latest any more (a prefix hit)
+        for table, where in self._placed:
+            if id(table) not in held and id(table) not in named:
+                named.add(id(table))
+                ids = block_ids(table)
+                if ids and all(counts[c] > refs[c] for c in ids):
+                    dropped.append((set(ids), f"from:{where}" if where else "table:lost"))
         return [next((w for ids, w in dropped if b in ids), "") for b in over.tolist()]
 
     def _check_free_queue(self, counts, add) -> None:
