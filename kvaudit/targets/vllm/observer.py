@@ -582,7 +582,7 @@ class VllmObserver:
                 named.add(id(table))
                 ids = block_ids(table)
                 if ids and all(counts[c] > refs[c] for c in ids):
-                    dropped.append((set(ids), f"from:{where}" if where else "table:lost"))
+                    dropped.append((set(ids), _dropped_from(where)))
         return [next((w for ids, w in dropped if b in ids), "") for b in over.tolist()]
 
     def _check_free_queue(self, counts, add) -> None:
