@@ -10,6 +10,7 @@ from engine_under_test import ReqToTokenPool, TokenToKVPoolAllocator
 
 from kvaudit.targets.eut.presets import get_preset
 from kvaudit.audit.hooks import Auditor
+from kvaudit.audit.ledger import MARK_LOOP
 from kvaudit.program import Submit
 from kvaudit.targets.eut import EutTarget
 
@@ -165,6 +166,25 @@ def test_nested_alloc_extend_to_alloc_records_once(make_audited):
     assert len(kv) == 1
     assert ids(kv[0].units) == sorted(out.tolist())
     assert auditor.site(kv[0].site)[0].function == "test_nested_alloc_extend_to_alloc_records_once"
+    assert auditor.pending == []
+
+
+@pytest.mark.parametrize("n", [3, MARK_LOOP + 9])
+def test_an_alloc_and_free_mark_every_unit_with_their_event_whatever_their_size(make_audited, n):
+    """A fast path's event marks its units one by one up to MARK_LOOP units and with numpy past it: the same
+    flags and last alloc and free events either way, the units around them untouched."""
+    target, auditor = make_audited("default", page_size=1)
+    a, led = target.engine.token_to_kv_pool_allocator, auditor.ledgers["token_to_kv_pool"]
+    before = a.alloc(2)
+    out = a.alloc(n)
+    ev = events(auditor, "alloc", "token_to_kv_pool")[-1]
+    assert ids(ev.units) == ids(out) and held(led) == ids(before) + ids(out)
+    assert led.last_alloc[out.numpy()].tolist() == [ev.id] * n
+    a.free(out)
+    free = events(auditor, "free", "token_to_kv_pool")[-1]
+    assert ids(free.units) == ids(out) and held(led) == ids(before)
+    assert led.last_free[out.numpy()].tolist() == [free.id] * n
+    assert led.last_alloc[before.numpy()].tolist() == [0, 0] and led.last_free[before.numpy()].tolist() == [-1, -1]
     assert auditor.pending == []
 
 

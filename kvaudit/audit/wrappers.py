@@ -30,11 +30,15 @@ def row_ids(rows, what: str = "rows") -> np.ndarray:
     return arr.astype(np.int64, copy=False).reshape(-1)
 
 
+_INT = frozenset({int})
+
+
 def _row_list(rows, what: str) -> list[int]:
     # row_ids(rows) as a list: a Python int or a list of them (what the engine's row pools pass) without numpy
+    # (each item's type read in C: map, not a generator)
     if type(rows) is int:
         return [rows]
-    if type(rows) is list and all(type(r) is int for r in rows):
+    if type(rows) is list and _INT.issuperset(map(type, rows)):
         return rows[:]  # (the ledger keeps it: not the engine's list)
     return row_ids(rows, what).tolist()
 
@@ -76,10 +80,11 @@ class PoolWrappers:
         is read into a list, which the engine gets); rows that are not integers raise ``TypeError``."""
         obj, pool = spec.obj, spec.name
         orig_alloc, orig_free = getattr(obj, alloc), getattr(obj, free)
+        returned, given = f"{pool}.{alloc}() returned", f"{pool}.{free}() was given"  # (once, not per call)
 
         def alloc_rows(n, *a, **k):
             out = orig_alloc(n, *a, **k)
-            rows = _row_list(out, f"{pool}.{alloc}() returned")
+            rows = _row_list(out, returned)
             if rows:
                 self.on_alloc(pool, rows, self.capture_site())
             return out
@@ -88,7 +93,7 @@ class PoolWrappers:
             if hasattr(rows, "__next__"):  # an iterator (a generator): read it once, for both
                 rows = list(rows)
             orig_free(rows, *a, **k)
-            ids = _row_list(rows, f"{pool}.{free}() was given")
+            ids = _row_list(rows, given)
             if ids:
                 self.on_free(pool, ids, self.capture_site())
 
@@ -155,8 +160,9 @@ class PoolWrappers:
                     out = _orig(*a, **k)
                 finally:
                     depth[0] -= 1
-                if out is not None and out.numel():
-                    self.on_alloc(pool, _units(out, ps), self.capture_site(), expected_new=(obj, before))
+                if out is not None and out.numel():  # (_units inline on a page of one token)
+                    self.on_alloc(pool, out.tolist() if ps == 1 else _units(out, ps), self.capture_site(),
+                                  expected_new=(obj, before))
                 return out
 
             self._wrap(obj, name, alloc_wrapper)
@@ -184,7 +190,7 @@ class PoolWrappers:
                 orig_free(idx, *a, **k)
             finally:
                 depth[0] -= 1
-            self.on_free(pool, _units(idx, ps), self.capture_site())
+            self.on_free(pool, idx.tolist() if ps == 1 else _units(idx, ps), self.capture_site())
 
         self._wrap(obj, "free", free_wrapper)
         orig_end = getattr(obj, "free_group_end", None)
