@@ -81,12 +81,17 @@ class PoolWrappers:
         obj, pool = spec.obj, spec.name
         orig_alloc, orig_free = getattr(obj, alloc), getattr(obj, free)
         returned, given = f"{pool}.{alloc}() returned", f"{pool}.{free}() was given"  # (once, not per call)
+        led = self.ledgers[pool]
+        flags, last = led.flags, led.last_alloc
 
         def alloc_rows(n, *a, **k):
             out = orig_alloc(n, *a, **k)
             rows = _row_list(out, returned)
-            if rows:
-                self.on_alloc(pool, rows, self.capture_site())
+            if rows:  # (on_alloc's fast path inline, as in _wrap_kv_allocs: the list is _row_list's own)
+                if len(rows) <= SMALL_EVENT and not any(map(flags.__getitem__, rows)):
+                    self._mark("alloc", pool, rows, self.capture_site(), led, last, 1)
+                else:
+                    self.on_alloc(pool, rows, self.capture_site())
             return out
 
         def free_rows(rows, *a, **k):
@@ -146,6 +151,8 @@ class PoolWrappers:
 
     def _wrap_kv_allocs(self, spec: PoolSpec, depth: list[int]) -> None:
         obj, pool, ps = spec.obj, spec.name, spec.page_size
+        led = self.ledgers[pool]
+        flags, last = led.flags, led.last_alloc
         for name in ("alloc", "alloc_extend", "alloc_decode"):
             orig = getattr(obj, name, None)
             if orig is None:
@@ -160,9 +167,14 @@ class PoolWrappers:
                     out = _orig(*a, **k)
                 finally:
                     depth[0] -= 1
-                if out is not None and out.numel():  # (_units inline on a page of one token)
-                    self.on_alloc(pool, out.tolist() if ps == 1 else _units(out, ps), self.capture_site(),
-                                  expected_new=(obj, before))
+                if out is not None and out.numel():
+                    ul = out.tolist() if ps == 1 else _units(out, ps)  # (_units inline on a page of one token)
+                    # NOTE: on_alloc's fast path inline (every unit fresh; the list is the wrapper's own): the
+                    # common case pays no on_alloc call, pool look-up or copy
+                    if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
+                        self._mark("alloc", pool, ul, self.capture_site(), led, last, 1)
+                    else:
+                        self.on_alloc(pool, ul, self.capture_site(), expected_new=(obj, before))
                 return out
 
             self._wrap(obj, name, alloc_wrapper)
