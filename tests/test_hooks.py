@@ -255,6 +255,25 @@ def test_double_free_of_kv_slots_is_a_pending_finding_with_both_sites(make_audit
     assert f.signature == "double-free/token_to_kv_pool/_first_free@test_hooks.py/_second_free@test_hooks.py"
 
 
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_row_freed_once_and_again_in_a_lean_run_as_in_a_full_one(lean):
+    """A lean run's row free takes on_free's fast path in the wrapper (a full run's on_free keeps shadow tags):
+    the same event and flags, and a second free of the row still a double free."""
+    target = EutTarget(get_preset("default").config())
+    auditor = Auditor(target, full_stacks=not lean, lean=lean)
+    try:
+        rp, led = target.engine.req_to_token_pool, auditor.ledgers["req_to_token_pool"]
+        (row,) = rp.alloc(1)
+        rp.free([row])
+        free = events(auditor, "free", "req_to_token_pool")[-1]
+        assert (free.units, held(led), led.last_free[row]) == ([row], [], free.id)
+        assert auditor.pending == []
+        rp.free([row])
+        assert [(f.kind, f.slots) for f in auditor.pending] == [("double-free", [row])]
+    finally:
+        auditor.uninstall()
+
+
 def test_duplicate_index_in_one_free_is_a_double_free(make_audited):
     target, auditor = make_audited("default", page_size=1)
     a = target.engine.token_to_kv_pool_allocator

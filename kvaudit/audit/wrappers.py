@@ -82,7 +82,7 @@ class PoolWrappers:
         orig_alloc, orig_free = getattr(obj, alloc), getattr(obj, free)
         returned, given = f"{pool}.{alloc}() returned", f"{pool}.{free}() was given"  # (once, not per call)
         led = self.ledgers[pool]
-        flags, last = led.flags, led.last_alloc
+        flags, last, last_free, own = led.flags, led.last_alloc, led.last_free, self.__dict__
 
         def alloc_rows(n, *a, **k):
             out = orig_alloc(n, *a, **k)
@@ -99,7 +99,14 @@ class PoolWrappers:
                 rows = list(rows)
             orig_free(rows, *a, **k)
             ids = _row_list(rows, given)
-            if ids:
+            if not ids:
+                return
+            # on_free's fast path inline (every row allocated, each named once), unless the instance replaced
+            # on_free (a full run keeping the freed slots' shadow tags: Auditor._keep_tags_at_free)
+            if ("on_free" not in own and len(ids) <= SMALL_EVENT and all(map(flags.__getitem__, ids)) and 0 not in ids
+                    and len(set(ids)) == len(ids)):
+                self._mark("free", pool, ids, self.capture_site(), led, last_free, 0)
+            else:
                 self.on_free(pool, ids, self.capture_site())
 
         self._wrap(obj, alloc, alloc_rows)
