@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 
@@ -230,6 +231,32 @@ def test_the_harness_never_writes_over_another_file_of_its_findings_name(monkeyp
     assert replay.load(str(tmp_path / f"{name}.2.json"))[2][0].signature == sig
 
 
+def test_the_harness_counts_what_its_programs_reached_and_the_driver_sums_it(monkeypatch, tmp_path):
+    """tz69: ``kvaudit fuzz --fuzzer atheris`` ended a clean run with no ``reached:`` line (every other
+    fuzzer prints one): the harness counted executions and ops only. Its stats file now keeps
+    ``Target.reach()`` summed over its programs, and the driver sums the files (one per -fork job)."""
+    from kvaudit.search import atheris_harness as h
+    from kvaudit.search.atheris_fuzz import _read_stats
+
+    config = get_preset("default").config()
+    stats_dir = tmp_path / "stats"
+    stats_dir.mkdir()
+    for name, value in (("CONFIG", config), ("KNOWN", frozenset()), ("SUPPRESSIONS", None),
+                        ("FINDINGS_DIR", str(tmp_path / "findings")), ("STATS_DIR", str(stats_dir)), ("MAX_OPS", 24),
+                        ("_counts", {"executions": 0, "ops": 0}), ("_suppressed", set()), ("_reached", Counter()),
+                        ("_last_write", [0.0])):
+        monkeypatch.setattr(h, name, value, raising=False)
+    program = [Submit(family=0, prompt_len=8, max_new_tokens=4), Abort(handle=0), Idle()]
+    h.TestOneInput(program_to_bytes(program, config))
+    h._write_stats(force=True)
+    doc = json.loads(next(stats_dir.iterdir()).read_text())
+    assert doc["executions"] == 1 and doc.get("reached", {}).get("aborts", 0) >= 1, doc
+    assert {"aborts", "flushes", "retractions"} <= set(doc["reached"])  # (every counter the preset keeps, 0s too)
+    (stats_dir / "other-job.json").write_text(json.dumps({"executions": 2, "ops": 5, "reached": {"aborts": 3}}))
+    executions, ops, _, reached = _read_stats(str(stats_dir))
+    assert executions == 3 and reached["aborts"] == doc["reached"]["aborts"] + 3
+
+
 # --- the driver -----------------------------------------------------------------------------------
 
 def test_libfuzzer_status_lines():
@@ -299,8 +326,10 @@ def test_atheris_clean_run_and_known_signatures(tmp_path):
     found = atheris_search(config, max_time=4, seed=2, stats=stats, known=known, work_dir=str(tmp_path / "w"))
     assert found is None or found[1][0].signature not in known
     assert stats.executions > 10
-    config = get_preset("default").config()
-    assert atheris_search(config, max_time=3, seed=2, stats=FuzzStats(), work_dir=str(tmp_path / "d")) is None
+    config, stats = get_preset("default").config(), FuzzStats()
+    assert atheris_search(config, max_time=3, seed=2, stats=stats, work_dir=str(tmp_path / "d")) is None
+    # what the programs reached, as every fuzzer counts it (a counter at 0 included: "not reached")
+    assert {"aborts", "evictions_for_alloc", "flushes", "retractions"} <= set(stats.reached), stats.reached
 
 
 _LATE_ARTIFACT = r"""

@@ -45,8 +45,8 @@ def test_one_check_reads_the_live_requests_once(monkeypatch):
 def test_a_checks_own_readers_share_one_read_of_the_live_requests_at_any_size(monkeypatch):
     """Below OWNERS_ONCE_FROM (no shadow of the engine's method) the observer's readers in a check (the roots,
     the metrics, the lock holders) read the live requests once: a busy check reads them twice (that read and
-    the engine's own check_memory), a check at idle once (check_memory reads none there); a read after the
-    check is fresh."""
+    the engine's own check_memory), a check at idle not at all (check_memory reads none there, and the idle
+    roots, finding every structure empty, tell the others there is none); a read after the check is fresh."""
     calls = []
     real = Scheduler.requests_owning_rows
     monkeypatch.setattr(Scheduler, "requests_owning_rows", lambda self: (calls.append(1), real(self))[1])
@@ -60,8 +60,8 @@ def test_a_checks_own_readers_share_one_read_of_the_live_requests_at_any_size(mo
         assert target.is_idle()
         calls.clear()
         assert oracles.check(run.auditor, target, idle=True) == []
-        assert len(calls) == 1
-        assert target._owners() == [] and len(calls) == 2  # outside a check: read again
+        assert len(calls) == 0
+        assert target._owners() == [] and len(calls) == 1  # outside a check: read again
     finally:
         run.__exit__(None, None, None)
 
@@ -194,5 +194,67 @@ def test_one_check_walks_the_tree_once_and_the_next_walks_it_again():
             bad = target.lock_balance()
         assert walks == [(), (node,)] and [b.lock_ref for b in bad] == [node.lock_ref]
         node.lock_ref -= 1
+    finally:
+        run.__exit__(None, None, None)
+
+
+def _recount_by_definition(target) -> dict:
+    # the recount's terms node by node (observer.recount's docstring), to hold its C-level walk to
+    out = {"token_to_kv_pool": [0, 0], "hicache_host": [0, 0]}  # (evictable, protected)
+    for n in target.engine.tree_cache.nodes():
+        if n.value is not None:
+            out["token_to_kv_pool"][bool(n.lock_ref)] += len(n.key)
+        if n.host_value is not None:
+            out["hicache_host"][n.value is not None or bool(n.host_ref)] += len(n.key)
+    return out
+
+
+def test_the_tree_recount_and_the_idle_roots_lock_read_each_node_by_their_definition():
+    """The recount's walk (map and compress in C, observer._walk_recount) counts each node's tokens as the
+    per-node definition does, with any lock_ref or host_ref (2 and -1 too: a count, not a flag), and with
+    HiCache's host copies; the idle roots say locked when any node's lock_ref is not 0."""
+    run = AuditedRun(get_preset("hicache").config(), paranoid=False)
+    try:
+        for family in range(4):
+            run.apply(Submit(family=family, prompt_len=20 + 7 * family, max_new_tokens=3))
+        run.apply(Idle())
+        target = run.target
+        nodes = [n for n in target.engine.tree_cache.nodes()]
+        assert len(nodes) >= 3 and any(n.host_value is not None for n in nodes)
+        for i, (lock, host) in enumerate([(0, 0), (1, 0), (2, 1), (-1, 3), (0, 2), (3, 0)] * 2):
+            n = nodes[i % len(nodes)]
+            n.lock_ref, n.host_ref = lock, host
+            want = _recount_by_definition(target)
+            got, walked = target._walk_recount(nodes)
+            assert walked == len(nodes)
+            assert [got["token_to_kv_pool"][t].tokens for t in ("evictable", "protected")] == want["token_to_kv_pool"]
+            assert [got["hicache_host"][t].tokens for t in ("evictable", "protected")] == want["hicache_host"]
+            n.lock_ref = n.host_ref = 0
+    finally:
+        run.close()
+    run = _busy_run(max_new=2)  # (no HiCache: the idle roots' lock read)
+    try:
+        assert run.apply(Idle()) == [] and run.target.is_idle()
+        nodes = list(run.target.engine.tree_cache.nodes())
+        assert nodes and run.target.idle_roots().locked is False
+        for lock in (1, 2, -1):
+            nodes[-1].lock_ref = lock
+            assert run.target.idle_roots().locked is True
+        nodes[-1].lock_ref = 0
+        assert run.target.idle_roots().locked is False
+    finally:
+        run.__exit__(None, None, None)
+
+
+def test_idle_roots_that_find_a_live_request_leave_the_checks_read_of_the_live_requests_to_the_engine():
+    """The idle roots tell the check's other readers that no request is live only when they found every
+    structure empty: with a request queued they give way to the full check, and the metrics still read it."""
+    run = _busy_run()
+    try:
+        target = run.target
+        with target.checking():
+            assert target.idle_roots() is None
+            live = target._owners()
+        assert [r.rid for r in live] == [r.rid for r in target.engine.requests_owning_rows()] and live
     finally:
         run.__exit__(None, None, None)

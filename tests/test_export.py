@@ -125,6 +125,15 @@ def run_client(script, url, *extra):
                           capture_output=True, text=True, timeout=120)
 
 
+def step_delay_for(name) -> float:
+    """--step-delay for ``name``'s client: 0.05 s, or, where a ``step(n)`` of the program waits longer than a held
+    request lasts on the stand-in (HOLD tokens more, PER_TOKEN each; finding 15's step(28), its 24-step transfers),
+    short enough that the longest wait is half of that: a hold is capped by the context, so it cannot grow instead."""
+    _, program, _, _ = replay.load(os.path.join(ROOT, "corpora", "sglang", name + ".json"))
+    steps = max((op.n for op in program if op.kind == "step"), default=0)
+    return 0.05 if steps * 0.05 <= HOLD * PER_TOKEN else HOLD * PER_TOKEN / (2 * steps)
+
+
 def program_calls(log):
     """The recorded requests between the script's first flush (its baseline) and its last (cleanup),
     less its polling of /metrics and /health: the program's calls, then the cleanup's session closes."""
@@ -193,7 +202,7 @@ def test_each_finding_exports_its_report_and_client(name, exported):
 @pytest.mark.parametrize("name", NAMES)
 def test_a_client_sends_the_program_in_order_batched_with_its_parameters(name, stand_in, exported):
     base = exported[name]
-    done = run_client(base + ".client.py", stand_in.url)
+    done = run_client(base + ".client.py", stand_in.url, "--step-delay", str(step_delay_for(name)))
     if name in UNSEEN_LEAKS:  # a leak in a pool /metrics does not report: not judged (the next test)
         assert done.returncode == 3 and "RESULT: NOT CHECKED" in done.stdout, done.stdout + done.stderr
     else:

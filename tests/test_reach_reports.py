@@ -201,3 +201,23 @@ def test_report_of_a_ci_jobs_json_names_every_preset_in_the_sarif_run_properties
     props = json.loads((tmp_path / "again.sarif").read_text())["runs"][0]["properties"]
     assert props["presets"] == ["default", "retract"], props
     assert not {"preset", "engineConfig", "bugs", "model", "page_size"} & set(props), props
+
+
+def test_report_of_a_clean_runs_json_prints_what_it_reached_as_its_junit_says_it(tmp_path):
+    """tz69: `kvaudit report` of a clean `fuzz --json` (or a `ci --json`) printed the summary and `SUMMARY: kvaudit:
+    no findings.` with no `reached:` line, though the JUnit it wrote from the same file carried the lines (and the
+    run's own console had printed them): a clean run re-read said nothing of what it searched. It prints the
+    JUnit's lines now, before the closing `SUMMARY:` line."""
+    r = invoke("fuzz", "--preset", "retract", "--fuzzer", "random", "--max-time", "1", "--out", str(tmp_path / "o"),
+               "--json", str(tmp_path / "o" / "fuzz.json"))  # (not in tmp_path: _ci_json's regressions folder)
+    assert r.exit_code == 0, r.output + r.stderr
+    for report in (str(tmp_path / "o" / "fuzz.json"), _ci_json(tmp_path)):
+        r = invoke("report", report, "--junit", str(tmp_path / "again.xml"))
+        assert r.exit_code == 0, r.output + r.stderr
+        junit = [line for case in ET.parse(tmp_path / "again.xml").getroot().iter("testcase")
+                 for line in (case.find("system-out").text or "").splitlines()]
+        assert junit and "reached: " in junit[0], junit
+        printed = [line for line in r.output.splitlines() if "reached: " in line]
+        assert printed == junit, r.output
+        out = r.output.splitlines()
+        assert out.index(printed[-1]) < max(i for i, line in enumerate(out) if line.startswith("SUMMARY: "))

@@ -9,7 +9,7 @@ from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, InputError, unreadable
 from kvaudit.app.files import check_outputs, write_reports
 from kvaudit.app.progress import console as make_console
-from kvaudit.reports.outputs import Case, Outputs, ReportData, not_all_checked
+from kvaudit.reports.outputs import Case, Outputs, ReportData, not_all_checked, reach_notes
 from kvaudit.reports.report import NOTHING_SEARCHED_SUMMARY, new_findings_line, print_cases
 from kvaudit.reports.timeline import is_valid as timeline_is_valid
 
@@ -52,8 +52,10 @@ def run(file: str, outputs: Outputs) -> int:
     short = not_all_checked(data)  # a run cut short, or that searched nothing: its closing line says so, as its files
     interrupted, idle = (short is not None and short[0] == name for name in ("interrupted", "nothing searched"))
     known = doc.get("known")  # a campaign's or ci's: it closes as the run did, its known signatures counted
+    clean = not any(c.findings for c in cases)  # (the JUnit's clean or skipped case carries the same lines)
     print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], suppressed=suppressed,
-                recorded=data.recorded, interrupted=interrupted, closing=not idle and known is None)
+                recorded=data.recorded, interrupted=interrupted, closing=not idle and known is None,
+                notes=reach_notes(data) if clean else ())
     if idle:
         console.print(NOTHING_SEARCHED_SUMMARY, soft_wrap=True)
     elif known is not None:

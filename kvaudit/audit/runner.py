@@ -617,12 +617,14 @@ def _weakly(method: Callable[[], None]) -> Callable[[], None]:
     """A call of ``method`` (a bound method) that holds its object weakly and does nothing once it is gone: a
     hook installed on the engine then keeps no run alive, so a closed run and its ledger are freed by reference
     counts, not by the cycle collector (measured: docs/internals/performance.md, stop 56)."""
-    ref = weakref.WeakMethod(method)
+    # NOTE: called at every intake that took a message: the object's weak reference is dereferenced in C
+    # (a WeakMethod's call is a Python frame of its own), the method's function is a class attribute anyway
+    ref, func = weakref.ref(method.__self__), method.__func__
 
     def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound()
+        obj = ref()
+        if obj is not None:
+            func(obj)
     return call
 
 

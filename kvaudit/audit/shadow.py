@@ -12,6 +12,8 @@ import torch
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd, so invertible modulo 2**64
 _BASE_INV = np.uint64(pow(int(_BASE), -1, 1 << 64))
 _B, _M64 = int(_BASE), (1 << 64) - 1
+_SIGN = 1 << 63
+_SIGN_1 = _SIGN + 1  # ((h + _SIGN_1) & _M64) - _SIGN: the tag h + 1 (modulo 2**64) as an int64
 
 
 def _powers(base: np.uint64, n: int) -> np.ndarray:
@@ -46,16 +48,18 @@ class ShadowKV:
         n = n01 + len(future)
         have = self._prefix.get(id(owner))
         if have is not None:
-            tags, length, last, h = have[1], have[2], have[3], have[4]
-            if n == length + 1 and length and n <= tags.size:  # the common call: one decoded token
+            length = have[2]
+            if n == length + 1 and length and n <= have[1].size:  # the common call: one decoded token
                 p = length - 1
-                if (origin[p] if p < n0 else output[p - n0] if p < n01 else future[p - n01]) == last:
-                    t = origin[length] if length < n0 else output[length - n0] if length < n01 else future[length - n01]
-                    h = (h * _B + t + 1) & _M64
-                    v = (h + 1) & _M64
-                    tags[length] = v - (1 << 64) if v >= 1 << 63 else v
-                    have[2], have[3], have[4] = n, t, h
+                if (origin[p] if p < n0 else output[p - n0] if p < n01 else future[p - n01]) == have[3]:
+                    # NOTE: runs for every row of every batch: the new token is the last of the lists, the tag
+                    # (h + 1 modulo 2**64) stored as its int64 in one expression
+                    t = have[3] = future[-1] if n01 < n else output[-1] if n0 < n01 else origin[-1]
+                    h = have[4] = (have[4] * _B + t + 1) & _M64
+                    have[2], tags = n, have[1]
+                    tags[length] = ((h + _SIGN_1) & _M64) - _SIGN
                     return tags[:n]
+            tags, last, h = have[1], have[3], have[4]
             p = length - 1
             if length > n or (length and (origin[p] if p < n0 else output[p - n0] if p < n01
                                           else future[p - n01]) != last):

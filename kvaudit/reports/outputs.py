@@ -144,7 +144,7 @@ def _junit(data: ReportData) -> str:
     return to_junit(data.findings, data.config, clean_case=f"kvaudit {_presets(data, names)}: no findings",
                     recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
                     found_after=data.extra.get("first_hit_seconds"), search=search_facts(data.extra),
-                    skipped=not_all_checked(data), notes=_reach_lines(data),
+                    skipped=not_all_checked(data), notes=reach_notes(data),
                     presets=None if names == [data.config.preset] else names,
                     failed=data.extra.get("regressions_failed"))
 
@@ -175,8 +175,9 @@ def _reached(data: ReportData) -> list[tuple[str, list[str]]]:
     return [("", reach_lines(reached, searched))]
 
 
-def _reach_lines(data: ReportData) -> list[str]:
-    """JUnit's ``<system-out>`` lines of the clean case: :func:`_reached`'s, each ci preset's named first."""
+def reach_notes(data: ReportData) -> list[str]:
+    """JUnit's ``<system-out>`` lines of the clean case (and ``kvaudit report``'s console beside a clean run):
+    :func:`_reached`'s, each ci preset's named first."""
     return [f"{preset}: {line}" if preset else line for preset, lines in _reached(data) for line in lines]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -295,13 +295,14 @@ def header(config) -> str:
 def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[Op], list[Finding], str]],
                 suppressed: dict[str, int] | None = None, suppressions: SuppressionSet | None = None,
                 closing: bool = True, recorded: Mapping[str, str] | None = None,
-                interrupted: bool = False) -> None:
+                interrupted: bool = False, notes: Sequence[str] = ()) -> None:
     """:func:`print_report` for several (program, findings, program title) cases of one config (a
     campaign's report): every finding with its own program (a case's findings in
     :func:`~kvaudit.audit.findings.report_order`), one summary, the closing line.
     ``recorded``: a signature -> the engine release its finding was recorded on (a replay file's
     ``engine_version``, :func:`~kvaudit.reports.sarif.engine_of`); ``interrupted``: the run that recorded
-    them was cut short (a ``--json``'s ``"interrupted": true``), as the closing line says."""
+    them was cut short (a ``--json``'s ``"interrupted": true``), as the closing line says; ``notes``: plain
+    lines after the summary, before the closing line (what a clean run's programs reached)."""
     plain = is_plain(console)
     on = engine_of(config, recorded)
     _print(console, Text(header(config), style="bold"), plain)
@@ -312,6 +313,8 @@ def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[O
     _print(console, summary_table(findings, suppressed, plain=plain), plain)
     if suppressions is not None:
         print_suppressions(console, suppressions)
+    for note in notes:
+        console.print(note, soft_wrap=True, markup=False, highlight=False)  # (a path's name: any string)
     if closing:
         line = summary_line(findings, suppressed, interrupted, runs=[found for _, found, _ in cases])
         _print(console, Text(line, style="bold"), plain, soft_wrap=True)

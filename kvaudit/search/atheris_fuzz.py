@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Callable
 
 from kvaudit.config import TargetConfig
@@ -134,9 +135,12 @@ def _stop(proc: subprocess.Popen) -> None:
                 proc.wait(timeout=KILL_WAIT_S)
 
 
-def _read_stats(stats_dir: str) -> tuple[int, int, set]:
+def _read_stats(stats_dir: str) -> tuple[int, int, set, Counter]:
+    """The harness's figures summed over its stats files (one per process: -fork's jobs): executions, ops,
+    suppressed signatures, and what the programs reached (``Target.reach()``)."""
     executions = ops = 0
     suppressed: set = set()
+    reached: Counter = Counter()
     for path in glob.glob(os.path.join(stats_dir, "*.json")):
         try:
             with open(path, encoding="utf-8") as fh:
@@ -144,9 +148,10 @@ def _read_stats(stats_dir: str) -> tuple[int, int, set]:
             executions += int(doc.get("executions", 0))
             ops += int(doc.get("ops", 0))
             suppressed.update(doc.get("suppressed", ()))
+            reached.update({str(k): int(v) for k, v in doc.get("reached", {}).items()})
         except (OSError, ValueError, TypeError, AttributeError):
             continue  # a file being replaced: next time
-    return executions, ops, suppressed
+    return executions, ops, suppressed, reached
 
 
 def load_findings(findings_dir: str, known=frozenset()) -> list[tuple[str, list[Op], list[Finding]]]:
@@ -241,7 +246,7 @@ def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, sup
     cmd = harness_command(corpus_dir, seed_dir, max_time, seed, work_dir, workers, max_ops)
     env = harness_env(config, findings_dir, stats_dir, suppressions_path, known_path, max_ops)
     env["TMPDIR"] = os.path.join(work_dir, "tmp")
-    base_execs, base_ops = stats.executions, stats.ops
+    base_execs, base_ops, base_reached = stats.executions, stats.ops, Counter(stats.reached)
     crashes_before = set(os.listdir(crashes_dir))
     proc = subprocess.Popen(cmd, cwd=work_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -253,9 +258,11 @@ def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, sup
         now = time.monotonic()
         if force or now - last_stats >= 0.5:
             last_stats = now
-            execs, ops, suppressed = _read_stats(stats_dir)
+            execs, ops, suppressed, reached = _read_stats(stats_dir)
             stats.executions = base_execs + max(mon.executions, execs)
             stats.ops = base_ops + ops
+            stats.reached = Counter(base_reached)
+            stats.reached.update(reached)  # (not ``+``: a counter at 0, a path not taken, is kept)
             stats.suppressed.update(suppressed)
         stats.coverage = f"{mon.coverage} edges"
         if report and on_progress is not None and (force or now - last_progress >= 0.25):

@@ -14,6 +14,7 @@ import os
 import pkgutil
 import sys
 import time
+from collections import Counter
 
 
 def instrument():
@@ -96,6 +97,7 @@ def _setup() -> None:
 
 _counts = {"executions": 0, "ops": 0}
 _suppressed: set = set()
+_reached: Counter = Counter()  # Target.reach() summed: the driver's ``reached:`` line
 _last_write = [0.0]
 
 
@@ -106,7 +108,7 @@ def _write_stats(force: bool = False) -> None:
     if STATS_DIR is None or not (force or now - _last_write[0] >= 1.0):
         return
     _last_write[0] = now
-    doc = {"pid": os.getpid(), **_counts, "suppressed": sorted(_suppressed)}
+    doc = {"pid": os.getpid(), **_counts, "suppressed": sorted(_suppressed), "reached": dict(_reached)}
     try:
         replay.write_text_atomic(os.path.join(STATS_DIR, f"{os.getpid()}.json"), json.dumps(doc) + "\n")
     except OSError:
@@ -141,6 +143,7 @@ def TestOneInput(data: bytes) -> None:
         else:
             found = run.finish()
         _suppressed.update(f.signature for f in run.suppressed)
+        _reached.update(run.target.reach())
     _counts["executions"] += 1
     _counts["ops"] += len(ran)
     new = [f for f in found if f.signature not in KNOWN]

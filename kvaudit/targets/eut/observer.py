@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import sys
 from functools import partial
-from itertools import repeat
+from itertools import compress, repeat
+from operator import and_, attrgetter, is_not, or_, truth
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ from kvaudit.targets.base import (Accounting, IdleRoots, LockImbalance, Recount,
 RECOUNT_EDITS_FROM = 256
 #: Target.checking() reads the live requests once from this many requests running or waiting
 OWNERS_ONCE_FROM = 64
+# (a tree node's fields, read at every check over every node by map() in C, not by a Python loop)
+_KEY, _VALUE, _LOCK_REF, _HOST_VALUE, _HOST_REF = map(attrgetter, ("key", "value", "lock_ref", "host_value", "host_ref"))
+_HELD = partial(is_not, None)  # _HELD(x): x is not None
 
 
 @pass_through  # (between engine frames: a release's stack goes on to the intake that took the abort)
@@ -104,10 +108,32 @@ class EutObserver(Target):
         def batch_wrapper(batch):
             """The common case (no HiSparse, KV on the CPU) checked a batch at a time: every row's
             reads before the forward, its writes after."""
-            if batch.forward_mode == "prebuilt":
+            mode = batch.forward_mode
+            if mode == "decode":
+                # NOTE: most rows of a run: one token each, its slot out_cache_loc's entry of the row (and a
+                # row marked to_finish computes nothing: None)
+                written = []
+                for req in batch.reqs:
+                    kv = req.kv
+                    start = kv.kv_committed_len - 1
+                    tags = request_tags(req, req.origin_input_ids, req.output_ids, req.future_ids)
+                    if req.to_finish is not None:
+                        written.append(None)
+                        continue
+                    if start:
+                        idx = rows[kv.req_pool_idx, :start]
+                        if main_tags.take(idx).tobytes() != tags[:start].tobytes():  # shadow.read's fast path
+                            check_read(req, main, idx, tags[:start])
+                    written.append(tags[start])
+                out = run_batch(batch)
+                for slot, tag in zip(batch.out_cache_loc.tolist(), written):
+                    if tag is not None:
+                        main_tags[slot] = tag
+                return out
+            if mode == "prebuilt":
                 return run_batch(batch)
             spans = []
-            extend = batch.forward_mode == "extend"
+            extend = mode == "extend"
             for req in batch.reqs:
                 prefill_row = extend and id(req) not in batch.decode_ids
                 if prefill_row:
@@ -230,10 +256,10 @@ class EutObserver(Target):
                         out.append(Root(pool, owner, pages(held_slots)))
         out += records_roots(eng.req_to_token_pool.req_to_token, records, ps)
         nodes = self._tree_nodes()
-        values = [n.value for n in nodes if n.value is not None]
+        values = list(filter(_HELD, map(_VALUE, nodes)))
         if values:
             out.append(Root("token_to_kv_pool", "tree", pages(torch.cat(values)), role="tree"))
-        host = [n.host_value for n in nodes if n.host_value is not None] if eng.hicache_host_pool is not None else ()
+        host = list(filter(_HELD, map(_HOST_VALUE, nodes))) if eng.hicache_host_pool is not None else ()
         if host:
             out.append(Root("hicache_host", "tree", pages(torch.cat(host)), role="tree"))
         return out
@@ -249,16 +275,12 @@ class EutObserver(Target):
         if (eng.session_controller is not None or eng.hicache_host_pool is not None or eng.last_batch is not None
                 or any(eng.live_request_groups())):
             return None
+        if self._in_check:  # (no request anywhere: the check's other readers of _owners() need not ask the engine)
+            self._owners_memo = []
         nodes = self._tree_nodes()
-        values = [n.value for n in nodes if n.value is not None]
+        values = list(filter(_HELD, map(_VALUE, nodes)))
         units = {"token_to_kv_pool": slot_pages(torch.cat(values), self.config.page_size)} if values else {}
-        locked = False
-        if not eng.tree_cache.disable:
-            for n in nodes:
-                if n.lock_ref:
-                    locked = True
-                    break
-        return IdleRoots("tree", units, locked)
+        return IdleRoots("tree", units, not eng.tree_cache.disable and any(map(_LOCK_REF, nodes)))
 
     def ownership_deltas(self, exact: bool = True):
         """How the roots changed since the previous call (:class:`kvaudit.targets.eut.deltas.EutDeltas`);
@@ -557,28 +579,23 @@ class EutObserver(Target):
         return out
 
     def _walk_recount(self, tree_nodes: list) -> tuple[dict[str, dict[str, Recount]], int]:
-        # (the recount, the nodes walked)
-        ev = pr = hev = hpr = nodes = 0
-        for n in tree_nodes:
-            nodes += 1
-            k = len(n.key)
-            if n.value is not None:
-                if n.lock_ref:
-                    pr += k
-                else:
-                    ev += k
-            if n.host_value is not None:
-                if n.value is not None or n.host_ref:
-                    hpr += k
-                else:
-                    hev += k
+        # (the recount, the nodes walked). NOTE: runs at every check: each node's fields are read by map() and
+        # the tokens summed by compress() in C, not in a Python loop over the nodes
+        keys = list(map(len, map(_KEY, tree_nodes)))  # tokens per node
+        device = list(map(_HELD, map(_VALUE, tree_nodes)))  # device-resident
+        pr = sum(compress(keys, map(and_, device, map(truth, map(_LOCK_REF, tree_nodes)))))
+        ev = sum(compress(keys, device)) - pr
         out = {"token_to_kv_pool": {"evictable": Recount(ev, "tree", "its nodes with lock_ref 0"),
                                     "protected": Recount(pr, "tree", "its nodes with lock_ref > 0")}}
         if self.engine.hicache_host_pool is not None:
+            host = list(map(_HELD, map(_HOST_VALUE, tree_nodes)))  # with a host copy
+            pinned = map(or_, device, map(truth, map(_HOST_REF, tree_nodes)))  # device-resident or pinned
+            hpr = sum(compress(keys, map(and_, host, pinned)))
+            hev = sum(compress(keys, host)) - hpr
             out["hicache_host"] = {
                 "evictable": Recount(hev, "host tree", "host copies of unpinned host-only nodes"),
                 "protected": Recount(hpr, "host tree", "host copies of device-resident or pinned nodes")}
-        return out, nodes
+        return out, len(tree_nodes)
 
     def _closing(self) -> list[str]:
         """Sessions the client closed that the engine still keeps (a close is deferred while a turn of
