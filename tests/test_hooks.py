@@ -10,6 +10,7 @@ from engine_under_test import ReqToTokenPool, TokenToKVPoolAllocator
 
 from kvaudit.targets.eut.presets import get_preset
 from kvaudit.audit.hooks import Auditor
+from kvaudit.audit.ledger import MARK_LOOP
 from kvaudit.program import Submit
 from kvaudit.targets.eut import EutTarget
 
@@ -168,6 +169,25 @@ def test_nested_alloc_extend_to_alloc_records_once(make_audited):
     assert auditor.pending == []
 
 
+@pytest.mark.parametrize("n", [3, MARK_LOOP + 9])
+def test_an_alloc_and_free_mark_every_unit_with_their_event_whatever_their_size(make_audited, n):
+    """A fast path's event marks its units one by one up to MARK_LOOP units and with numpy past it: the same
+    flags and last alloc and free events either way, the units around them untouched."""
+    target, auditor = make_audited("default", page_size=1)
+    a, led = target.engine.token_to_kv_pool_allocator, auditor.ledgers["token_to_kv_pool"]
+    before = a.alloc(2)
+    out = a.alloc(n)
+    ev = events(auditor, "alloc", "token_to_kv_pool")[-1]
+    assert ids(ev.units) == ids(out) and held(led) == ids(before) + ids(out)
+    assert led.last_alloc[out.numpy()].tolist() == [ev.id] * n
+    a.free(out)
+    free = events(auditor, "free", "token_to_kv_pool")[-1]
+    assert ids(free.units) == ids(out) and held(led) == ids(before)
+    assert led.last_free[out.numpy()].tolist() == [free.id] * n
+    assert led.last_alloc[before.numpy()].tolist() == [0, 0] and led.last_free[before.numpy()].tolist() == [-1, -1]
+    assert auditor.pending == []
+
+
 # -- free groups -----------------------------------------------------------------------------------
 
 def _end_group(allocator):
@@ -233,6 +253,25 @@ def test_double_free_of_kv_slots_is_a_pending_finding_with_both_sites(make_audit
     assert (f.op_index, f.step) == (4, 9)
     # both frees: two double frees that share one first (legitimate) free are two bugs
     assert f.signature == "double-free/token_to_kv_pool/_first_free@test_hooks.py/_second_free@test_hooks.py"
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_row_freed_once_and_again_in_a_lean_run_as_in_a_full_one(lean):
+    """A lean run's row free takes on_free's fast path in the wrapper (a full run's on_free keeps shadow tags):
+    the same event and flags, and a second free of the row still a double free."""
+    target = EutTarget(get_preset("default").config())
+    auditor = Auditor(target, full_stacks=not lean, lean=lean)
+    try:
+        rp, led = target.engine.req_to_token_pool, auditor.ledgers["req_to_token_pool"]
+        (row,) = rp.alloc(1)
+        rp.free([row])
+        free = events(auditor, "free", "req_to_token_pool")[-1]
+        assert (free.units, held(led), led.last_free[row]) == ([row], [], free.id)
+        assert auditor.pending == []
+        rp.free([row])
+        assert [(f.kind, f.slots) for f in auditor.pending] == [("double-free", [row])]
+    finally:
+        auditor.uninstall()
 
 
 def test_duplicate_index_in_one_free_is_a_double_free(make_audited):

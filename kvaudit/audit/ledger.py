@@ -13,6 +13,7 @@ from kvaudit.audit.findings import Finding, OwnerChange
 from kvaudit.targets.base import PoolSpec
 
 SMALL_EVENT = 64  # events up to this many units take the scalar fast path (numpy call overhead dominates)
+MARK_LOOP = 20  # a fast path's event marks up to this many units one by one, more with numpy (the two cost alike at ~20)
 
 
 class Event(NamedTuple):
@@ -28,16 +29,13 @@ class Event(NamedTuple):
 
 
 _new_tuple = tuple.__new__
+_NONE = np.zeros(0, dtype=np.int64)  # no units (read only)
 
 
 def _as_list(units) -> list[int]:
     return units.tolist() if hasattr(units, "tolist") else list(units)
 
 
-def _mark(flags: bytearray, last: np.ndarray, units: list[int], value: int, event_id: int) -> None:
-    for x in units:
-        flags[x] = value
-        last[x] = event_id
 
 
 class PoolLedger:
@@ -50,7 +48,7 @@ class PoolLedger:
         self.flags = bytearray(n)  # allocated flags; ``allocated`` is a numpy view of the same bytes
         self.allocated = np.frombuffer(self.flags, dtype=bool)
         self.last_alloc = np.full(n, -1, dtype=np.int64)
-        self.last_free = np.full(n, -1, dtype=np.int64)
+        self.last_free = self.last_alloc.copy()  # (a copy in C: np.full is Python)
         self.owner = np.zeros(n, dtype=np.int64)  # id into Auditor.owner_names; 0 = nobody
         self.allocated[0] = True  # reserved padding unit: any alloc of it trips the aliasing check
         self.refs = np.zeros(n, dtype=np.int64) if spec.kind == "blocks" else None
@@ -60,30 +58,50 @@ class Ledger:
     """The recording half of :class:`kvaudit.audit.hooks.Auditor` (``ledgers``, ``events``,
     ``pending``); sites come from the auditor."""
 
-    def _event(self, kind: str, pool: str, units: list[int], sid: int) -> Event:
-        # (the auditor's op_index and step as stored: their properties' getters, without the calls; built by
-        # tuple.__new__ at once, without the named tuple's own __new__ frame: one event per alloc and free)
-        ev = _new_tuple(Event, (len(self.events), kind, pool, units, self._op_index, self._step, sid))
-        self.events.append(ev)
-        return ev
+    def _event(self, kind: str, pool: str, units: list[int], sid: int) -> int:
+        # the new event's id (the auditor's op_index and step as stored: their properties' getters, without the
+        # calls; built by tuple.__new__ at once, without the named tuple's own __new__ frame: one event per alloc
+        # and free)
+        eid = len(self.events)
+        self.events.append(_new_tuple(Event, (eid, kind, pool, units, self._op_index, self._step, sid)))
+        return eid
+
+    def _mark(self, kind: str, pool: str, units: list[int], sid: int, led: PoolLedger, last: np.ndarray,
+              value: int) -> None:
+        # a fast path's event: recorded (_event, inline), and each unit's allocated flag set to ``value`` and its
+        # ``last`` event (last_alloc or last_free) to it; one by one on a few units (Python scalar stores beat
+        # numpy's call), with numpy's fancy stores on more
+        eid = len(self.events)
+        self.events.append(_new_tuple(Event, (eid, kind, pool, units, self._op_index, self._step, sid)))
+        if len(units) > MARK_LOOP:
+            u = np.array(units, dtype=np.int64)
+            led.allocated[u] = value
+            last[u] = eid
+            return
+        flags = led.flags
+        for x in units:
+            flags[x] = value
+            last[x] = eid
 
     def _alloc_event(self, led: PoolLedger, pool: str, units: np.ndarray, sid: int) -> None:
-        ev = self._event("alloc", pool, units.tolist(), sid)
+        eid = self._event("alloc", pool, units.tolist(), sid)
         led.allocated[units] = True
-        led.last_alloc[units] = ev.id
+        led.last_alloc[units] = eid
 
     def on_alloc(self, pool: str, units, sid: int, expected_new: int | tuple | None = None) -> None:
         """Record an allocation of ``units`` (a list or ``[n] int64`` array); aliasing when fewer than
         ``expected_new`` units are fresh (or ``(allocator, available_size() before)``, counted only
         when needed)."""
         led = self.ledgers[pool]
-        ul, flags = _as_list(units), led.flags
+        # (_as_list inline: one call fewer per event)
+        ul, flags = list(units) if type(units) is list else _as_list(units), led.flags
         if led.refs is not None:  # a reference-counted pool: a fresh block starts at count 1
             if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)) and len(set(ul)) == len(ul):
                 ul = sorted(ul)  # fast path: every block fresh, named once (the event lists them sorted)
+                refs = led.refs
                 for x in ul:
-                    led.refs[x] = 1
-                _mark(flags, led.last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
+                    refs[x] = 1
+                self._mark("alloc", pool, ul, sid, led, led.last_alloc, 1)
                 return
             u = np.asarray(ul, dtype=np.int64)
             held = led.allocated[u]  # (the reserved block 0 always reads as held)
@@ -100,7 +118,7 @@ class Ledger:
             return
         if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
             # fast path (the common case): every unit is fresh. Python scalar ops beat numpy here.
-            _mark(flags, led.last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
+            self._mark("alloc", pool, ul, sid, led, led.last_alloc, 1)
             return
         units = np.asarray(ul, dtype=np.int64)
         held = led.allocated[units]  # unit 0 always reads as held (see PoolLedger)
@@ -140,12 +158,19 @@ class Ledger:
     def _unref(self, pool: str, units: list[int], sid: int) -> None:
         led = self.ledgers[pool]
         refs, flags = led.refs, led.flags
+        # NOTE: a count is never below 0 (a decrement past it is put back to 0 below), so a held block is one whose
+        # count is not 0: tested in C (map), not by a generator over numpy scalars
         if len(units) <= SMALL_EVENT and 0 not in units and len(set(units)) == len(units) and all(
-                refs[x] > 0 for x in units):  # fast path: a few blocks, each held, named once
+                map(refs.__getitem__, units)):  # fast path: a few blocks, each held, named once
+            zero = []
             for x in units:
-                refs[x] -= 1
-            bad = np.zeros(0, dtype=np.int64)
-            zero = np.array(sorted(x for x in units if not refs[x] and flags[x]), dtype=np.int64)
+                n = refs[x] - 1
+                refs[x] = n
+                if not n and flags[x]:
+                    zero.append(x)
+            if not zero:
+                return  # (no block let go: nothing more to record; the reserved block's flag is untouched)
+            bad, zero = _NONE, np.array(sorted(zero), dtype=np.int64)
         else:
             u = np.asarray(units, dtype=np.int64)
             np.subtract.at(refs, u, 1)
@@ -156,9 +181,9 @@ class Ledger:
             led.refs[bad] = np.maximum(led.refs[bad], 0)
             self.pending.append(self._double_free(pool, bad, sid))
         if zero.size:
-            ev = self._event("free", pool, zero.tolist(), sid)
+            eid = self._event("free", pool, zero.tolist(), sid)
             led.allocated[zero] = False
-            led.last_free[zero] = ev.id
+            led.last_free[zero] = eid
             # NOTE: said here, at the free, so one premature free is one use-after-free whether or not a
             # scan runs before the holder's own release takes the count below zero
             users = self._users(pool, zero)
@@ -174,13 +199,13 @@ class Ledger:
         """Record a free of ``units`` (a list or array); a unit already free, or listed twice, is a
         double free. In a ``"blocks"`` pool, a decrement of each unit's count (vLLM's ``free_blocks``)."""
         led = self.ledgers[pool]
-        ul, flags = _as_list(units), led.flags
+        ul, flags = list(units) if type(units) is list else _as_list(units), led.flags  # (_as_list inline)
         if led.refs is not None:
             return self._unref(pool, ul, sid)
         if (len(ul) <= SMALL_EVENT and all(map(flags.__getitem__, ul)) and 0 not in ul
                 and len(set(ul)) == len(ul)):
             # fast path: every unit allocated, and named once
-            _mark(flags, led.last_free, ul, 0, self._event("free", pool, ul, sid).id)
+            self._mark("free", pool, ul, sid, led, led.last_free, 0)
             return
         units = np.asarray(ul, dtype=np.int64)
         bad = units[~led.allocated[units]]
@@ -191,11 +216,11 @@ class Ledger:
             dup = srt[1:][srt[1:] == srt[:-1]]
             if dup.size:
                 bad = np.union1d(bad, dup)
-        ev = self._event("free", pool, ul, sid)
+        eid = self._event("free", pool, ul, sid)
         if bad.size:
             self.pending.append(self._double_free(pool, np.unique(bad), sid))
         led.allocated[units] = False
-        led.last_free[units] = ev.id
+        led.last_free[units] = eid
         led.allocated[0] = True
 
     def _double_free(self, pool: str, bad: np.ndarray, sid: int) -> Finding:

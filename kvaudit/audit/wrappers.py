@@ -30,11 +30,15 @@ def row_ids(rows, what: str = "rows") -> np.ndarray:
     return arr.astype(np.int64, copy=False).reshape(-1)
 
 
+_INT = frozenset({int})
+
+
 def _row_list(rows, what: str) -> list[int]:
     # row_ids(rows) as a list: a Python int or a list of them (what the engine's row pools pass) without numpy
+    # (each item's type read in C: map, not a generator)
     if type(rows) is int:
         return [rows]
-    if type(rows) is list and all(type(r) is int for r in rows):
+    if type(rows) is list and _INT.issuperset(map(type, rows)):
         return rows[:]  # (the ledger keeps it: not the engine's list)
     return row_ids(rows, what).tolist()
 
@@ -76,20 +80,33 @@ class PoolWrappers:
         is read into a list, which the engine gets); rows that are not integers raise ``TypeError``."""
         obj, pool = spec.obj, spec.name
         orig_alloc, orig_free = getattr(obj, alloc), getattr(obj, free)
+        returned, given = f"{pool}.{alloc}() returned", f"{pool}.{free}() was given"  # (once, not per call)
+        led = self.ledgers[pool]
+        flags, last, last_free, own = led.flags, led.last_alloc, led.last_free, self.__dict__
 
         def alloc_rows(n, *a, **k):
             out = orig_alloc(n, *a, **k)
-            rows = _row_list(out, f"{pool}.{alloc}() returned")
-            if rows:
-                self.on_alloc(pool, rows, self.capture_site())
+            rows = _row_list(out, returned)
+            if rows:  # (on_alloc's fast path inline, as in _wrap_kv_allocs: the list is _row_list's own)
+                if len(rows) <= SMALL_EVENT and not any(map(flags.__getitem__, rows)):
+                    self._mark("alloc", pool, rows, self.capture_site(), led, last, 1)
+                else:
+                    self.on_alloc(pool, rows, self.capture_site())
             return out
 
         def free_rows(rows, *a, **k):
             if hasattr(rows, "__next__"):  # an iterator (a generator): read it once, for both
                 rows = list(rows)
             orig_free(rows, *a, **k)
-            ids = _row_list(rows, f"{pool}.{free}() was given")
-            if ids:
+            ids = _row_list(rows, given)
+            if not ids:
+                return
+            # on_free's fast path inline (every row allocated, each named once), unless the instance replaced
+            # on_free (a full run keeping the freed slots' shadow tags: Auditor._keep_tags_at_free)
+            if ("on_free" not in own and len(ids) <= SMALL_EVENT and all(map(flags.__getitem__, ids)) and 0 not in ids
+                    and len(set(ids)) == len(ids)):
+                self._mark("free", pool, ids, self.capture_site(), led, last_free, 0)
+            else:
                 self.on_free(pool, ids, self.capture_site())
 
         self._wrap(obj, alloc, alloc_rows)
@@ -141,6 +158,8 @@ class PoolWrappers:
 
     def _wrap_kv_allocs(self, spec: PoolSpec, depth: list[int]) -> None:
         obj, pool, ps = spec.obj, spec.name, spec.page_size
+        led = self.ledgers[pool]
+        flags, last = led.flags, led.last_alloc
         for name in ("alloc", "alloc_extend", "alloc_decode"):
             orig = getattr(obj, name, None)
             if orig is None:
@@ -156,7 +175,13 @@ class PoolWrappers:
                 finally:
                     depth[0] -= 1
                 if out is not None and out.numel():
-                    self.on_alloc(pool, _units(out, ps), self.capture_site(), expected_new=(obj, before))
+                    ul = out.tolist() if ps == 1 else _units(out, ps)  # (_units inline on a page of one token)
+                    # NOTE: on_alloc's fast path inline (every unit fresh; the list is the wrapper's own): the
+                    # common case pays no on_alloc call, pool look-up or copy
+                    if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
+                        self._mark("alloc", pool, ul, self.capture_site(), led, last, 1)
+                    else:
+                        self.on_alloc(pool, ul, self.capture_site(), expected_new=(obj, before))
                 return out
 
             self._wrap(obj, name, alloc_wrapper)
@@ -184,7 +209,7 @@ class PoolWrappers:
                 orig_free(idx, *a, **k)
             finally:
                 depth[0] -= 1
-            self.on_free(pool, _units(idx, ps), self.capture_site())
+            self.on_free(pool, idx.tolist() if ps == 1 else _units(idx, ps), self.capture_site())
 
         self._wrap(obj, "free", free_wrapper)
         orig_end = getattr(obj, "free_group_end", None)
