@@ -476,7 +476,7 @@ def test_ci_where_one_preset_of_two_searched_nothing_says_which_in_its_summary_a
 
     result = search_ci.CiResult(fuzz=[search_ci.FuzzRun("default", 1.0, 40), search_ci.FuzzRun("chunked", 1e-9, 0)])
     console = Console(record=True, width=300)
-    _print_verdict(console, result, None)
+    _print_verdict(console, result, None, [])
     assert console.export_text().splitlines() == [
         "SUMMARY: kvaudit: nothing searched in 1 of 2 preset(s) (chunked): its share ended before the first program "
         "ran; no new findings in the rest.", "NOTHING SEARCHED in 1 of 2 preset(s) (chunked): 0/0 regressions ok, "

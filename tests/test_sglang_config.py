@@ -9,6 +9,7 @@ import pytest
 
 from cli_helpers import invoke, one_error_line
 from kvaudit import replay
+from kvaudit.program import Idle
 from kvaudit.targets import config_from_dict
 from kvaudit.targets.sglang import boot
 from kvaudit.config import UnknownFaultError
@@ -162,9 +163,10 @@ def test_cli_says_in_one_line_when_sglang_cannot_be_driven(monkeypatch, tmp_path
     r = invoke("fuzz", "--target", "sglang", "--max-time", "1", "--out", str(tmp_path))
     assert r.exit_code == 69  # (a release this host lacks: as a missing atheris or redis-py)
     assert "drives only 0.5.10.post1, 0.5.11 (cache_finished_req era) and 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23" in one_error_line(r)
-    # a replay file of the real target, on the same machine
+    # a replay file of the real target, on the same machine (one op: a file with no program and no finding is
+    # "nothing recorded", exit 5, before any engine is asked for)
     path = tmp_path / "r.json"
-    path.write_text(json.dumps(replay.to_doc(SGLANG_PRESETS["sglang"].config(), [], [])))
+    path.write_text(json.dumps(replay.to_doc(SGLANG_PRESETS["sglang"].config(), [Idle()], [])))
     r = invoke("replay", str(path))
     assert r.exit_code == 69
     assert "drives only 0.5.10.post1, 0.5.11 (cache_finished_req era) and 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23" in one_error_line(r)
