@@ -36,8 +36,6 @@ def _as_list(units) -> list[int]:
     return units.tolist() if hasattr(units, "tolist") else list(units)
 
 
-
-
 class PoolLedger:
     """Per-unit state of one pool: allocated flag, last alloc and free event, current owner id; for a
     ``"blocks"`` pool also ``refs`` (``[n] int64`` reference counts; allocated means a count above 0)."""
